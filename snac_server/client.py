@@ -1,0 +1,78 @@
+"""A minimal asyncio client of the Decode RPC: frames in, PCM chunks out.
+
+Used by tests and benchmarks, and the base the LLM tier's codec client builds on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from .api import codec_pb2, codec_pb2_grpc
+
+POLICY_BY_NAME = {
+    "reference": codec_pb2.POLICY_REFERENCE,
+    "exact": codec_pb2.POLICY_EXACT,
+    "adaptive": codec_pb2.POLICY_ADAPTIVE,
+}
+
+
+@dataclass
+class DecodedStream:
+    """Everything a stream got back: chunks in arrival order and their arrival times."""
+
+    chunks: list[codec_pb2.PcmChunk]
+    arrivals: list[float]
+
+    def audio(self) -> np.ndarray:
+        """The float32 PCM of all chunks, concatenated (F32LE sessions)."""
+        return np.concatenate([np.frombuffer(c.pcm, dtype="<f4") for c in self.chunks]) if self.chunks else np.zeros(0, np.float32)
+
+
+def header_request(seed: int, policy: str = "adaptive", chunk_frames: int = 0, **fields) -> codec_pb2.DecodeRequest:
+    """The opening message of a stream."""
+    header = codec_pb2.SessionHeader(seed=seed, policy=POLICY_BY_NAME[policy], chunk_frames=chunk_frames, **fields)
+    return codec_pb2.DecodeRequest(header=header)
+
+
+def frames_request(frames: Sequence[Sequence[int]]) -> codec_pb2.DecodeRequest:
+    """A message carrying whole frames of 7 codes."""
+    return codec_pb2.DecodeRequest(
+        frames=codec_pb2.Frames(frames=[codec_pb2.Frame(codes=[int(c) for c in f]) for f in frames])
+    )
+
+
+END_REQUEST = codec_pb2.DecodeRequest(end=codec_pb2.EndOfStream())
+
+
+async def paced_requests(
+    header: codec_pb2.DecodeRequest, frames: np.ndarray, per_message: int = 1, interval_s: float = 0.0
+) -> AsyncIterator[codec_pb2.DecodeRequest]:
+    """Header, frames `per_message` at a time every `interval_s` seconds, then end of stream."""
+    yield header
+    for i in range(0, len(frames), per_message):
+        yield frames_request(frames[i : i + per_message])
+        if interval_s:
+            await asyncio.sleep(interval_s)
+    yield END_REQUEST
+
+
+async def decode(
+    stub: codec_pb2_grpc.SnacCodecStub, requests: AsyncIterator[codec_pb2.DecodeRequest], timeout_s: float | None = None
+) -> DecodedStream:
+    """Run one Decode stream to its final chunk."""
+    loop = asyncio.get_running_loop()
+    out = DecodedStream([], [])
+    async for chunk in stub.Decode(requests, timeout=timeout_s):
+        out.chunks.append(chunk)
+        out.arrivals.append(loop.time())
+    return out
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """An insecure channel to a codec server (loopback and in-cluster use)."""
+    return grpc.aio.insecure_channel(address)

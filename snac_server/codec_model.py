@@ -1,0 +1,123 @@
+"""The SNAC 24 kHz decoder, prepared for serving.
+
+Loading does three things once: build or load the model, fold the weight-norm
+parametrization into plain weights (before any CUDA Graph capture), and swap every
+NoiseBlock for PositionalNoise so the output depends only on codes, seed and position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from snac import SNAC
+from snac.layers import NoiseBlock
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .frames import frames_to_levels
+from .noise import NoiseContext, PositionalNoise
+
+RANDOM_MODEL = "random-24khz"
+HF_MODEL_ID = "hubertsiuzdak/snac_24khz"
+
+# The published config of hubertsiuzdak/snac_24khz; `random-24khz` builds exactly this.
+SNAC_24KHZ_CONFIG = {
+    "sampling_rate": 24000,
+    "encoder_dim": 48,
+    "encoder_rates": [2, 4, 8, 8],
+    "decoder_dim": 1024,
+    "decoder_rates": [8, 8, 4, 2],
+    "attn_window_size": None,
+    "codebook_size": 4096,
+    "codebook_dim": 8,
+    "vq_strides": [4, 2, 1],
+    "noise": True,
+    "depthwise": True,
+}
+
+
+def load_snac(model: str, seed: int = 0) -> SNAC:
+    """Load SNAC from a local directory or a Hugging Face id (cache first), or build it random.
+
+    `random-24khz` builds the real 24 kHz architecture with weights seeded by `seed`, so a
+    fresh machine with no download gets a model of the right shape and cost.
+    """
+    if model == RANDOM_MODEL:
+        torch.manual_seed(seed)
+        snac = SNAC(**SNAC_24KHZ_CONFIG)
+    elif os.path.isdir(model):
+        snac = SNAC.from_pretrained(model)
+    else:
+        snac = SNAC.from_pretrained(model)
+    config = {k: getattr(snac, k, None) for k in ("sampling_rate", "decoder_rates", "vq_strides")}
+    if snac.sampling_rate != 24000 or list(snac.vq_strides) != [4, 2, 1]:
+        raise ValueError(f"{model} is not a 24 kHz SNAC with strides [4, 2, 1]: {json.dumps(config)}")
+    return snac.eval()
+
+
+def fold_weight_norm(module: nn.Module) -> None:
+    """Replace every weight-norm parametrization with the plain weight it computes."""
+    for sub in module.modules():
+        if parametrize.is_parametrized(sub, "weight"):
+            parametrize.remove_parametrizations(sub, "weight", leave_parametrized=True)
+
+
+def install_positional_noise(decoder: nn.Module, context: NoiseContext) -> int:
+    """Swap each NoiseBlock in the decoder for PositionalNoise; return how many were swapped."""
+    swapped = 0
+    for parent in list(decoder.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, NoiseBlock):
+                setattr(parent, name, PositionalNoise(child.linear, swapped, context))
+                swapped += 1
+    return swapped
+
+
+class SnacDecoder(nn.Module):
+    """Codes of whole frames -> PCM, batched, deterministic.
+
+    forward(frames, seeds, frame0): frames (B, W, 7) int64, seeds (B,) int64,
+    frame0 (B,) int64 absolute index of each row's first frame -> (B, W * 2048) float32.
+    """
+
+    def __init__(self, snac: SNAC, max_batch: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        fold_weight_norm(snac)
+        self.noise = NoiseContext(max_batch, device)
+        if install_positional_noise(snac.decoder, self.noise) == 0:
+            raise ValueError("this SNAC has no NoiseBlocks; expected the 24 kHz noise config")
+        self.quantizer = snac.quantizer
+        self.decoder = snac.decoder
+        self.to(device=device, dtype=dtype)
+        self.device = device
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def forward(self, frames: torch.Tensor, seeds: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
+        self.noise.set(seeds, frame0, frames.shape[1])
+        l0, l1, l2 = frames_to_levels(frames)
+        z = self.quantizer.from_codes([l0, l1, l2])
+        audio = self.decoder(z.to(self.dtype))
+        return audio[:, 0, :].float()
+
+    def decode_full(self, frames: np.ndarray, seed: int) -> np.ndarray:
+        """Decode one whole stream in one forward: the ground truth for chunked decoding."""
+        batch = torch.as_tensor(frames[None], dtype=torch.int64, device=self.device)
+        seeds = torch.tensor([seed], dtype=torch.int64, device=self.device)
+        start = torch.zeros(1, dtype=torch.int64, device=self.device)
+        return self(batch, seeds, start)[0].cpu().numpy()
+
+
+def build_decoder(model: str, device: str, dtype: str, max_batch: int) -> SnacDecoder:
+    """Load, fold and wrap SNAC on the given device and dtype ('float32', 'float16', 'bfloat16')."""
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    return SnacDecoder(load_snac(model), max_batch, torch.device(device), torch_dtype)
+
+
+def model_source_exists(model: str) -> bool:
+    """True when `model` names something loadable without a network (used for clear errors)."""
+    return model == RANDOM_MODEL or Path(model).is_dir() or "/" in model

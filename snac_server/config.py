@@ -1,0 +1,107 @@
+"""SnacServerConfig: every setting of the codec tier, validated once, passed down.
+
+CLI flags and environment variables map one-to-one onto its fields:
+field `max_batch` is flag `--max-batch` and variable `SNAC_MAX_BATCH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .chunking import EXACT_CONTEXT, Policy
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class SnacServerConfig:
+    """Settings of one snac-server process."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051  # 0 picks a free port (tests)
+    metrics_port: int = 9091  # Prometheus /metrics over HTTP; -1 disables, 0 picks a free port
+    model: str = "random-24khz"  # local dir, Hugging Face id, or random-24khz (no download)
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    dtype: str = "float32"
+    max_batch: int = 32  # rows per decode step
+    max_wait_ms: float = 5.0  # how long the first row of a step waits for company
+    cuda_graphs: bool = True  # capture one graph per (batch, window) bucket on GPU
+    window_buckets: tuple[int, ...] = (4, 8, 12, 16, 24)  # decode window lengths, in frames
+    policy: str = "adaptive"  # default for sessions that do not choose
+    chunk_frames: int = 16  # exact: chunk size; adaptive: largest chunk
+    max_inflight_chunks: int = 2  # per stream, so one fast stream cannot fill every batch
+    max_streams: int = 1024  # more concurrent streams get RESOURCE_EXHAUSTED
+    max_connection_age_s: float = 300.0  # clients reconnect, so new replicas get traffic
+    grace_s: float = 30.0  # SIGTERM: how long in-flight streams may finish
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
+        Policy(self.policy)  # raises ValueError naming the bad value
+        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_inflight_chunks < 1:
+            raise ValueError("max_batch and max_inflight_chunks must be >= 1, max_wait_ms >= 0")
+        if not self.window_buckets or min(self.window_buckets) < 4:
+            raise ValueError("window_buckets needs at least one size, each >= 4 frames")
+        if self.chunk_frames < 1 or self.chunk_frames + 2 * EXACT_CONTEXT > max(self.window_buckets):
+            raise ValueError(
+                f"chunk_frames {self.chunk_frames} needs a window bucket >= chunk_frames + {2 * EXACT_CONTEXT}"
+            )
+
+    @property
+    def resolved_device(self) -> str:
+        """`auto` becomes cuda when a GPU is visible, else cpu."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _parse_value(kind: object, text: str) -> object:
+    if kind is bool:
+        if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"not a boolean: {text!r}")
+        return text.lower() in ("1", "true", "yes", "on")
+    if typing.get_origin(kind) is tuple:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    return kind(text)  # type: ignore[operator]
+
+
+def config_from_args(cls: type, argv: Sequence[str] | None, env: Mapping[str, str], prefix: str, prog: str):
+    """Build dataclass `cls` from flags (`--field-name`) over env (`PREFIX_FIELD_NAME`) over defaults."""
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    for f in dataclasses.fields(cls):
+        env_name = f"{prefix}{f.name.upper()}"
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            default=None,
+            metavar=f.name.upper(),
+            help=f"(env {env_name}; default {f.default!r})",
+        )
+    args = parser.parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(cls):
+        text = getattr(args, f.name)
+        if text is None:
+            text = env.get(f"{prefix}{f.name.upper()}")
+        if text is not None:
+            try:
+                values[f.name] = _parse_value(hints[f.name], text)
+            except ValueError as exc:
+                parser.error(f"--{f.name.replace('_', '-')}: {exc}")
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def snac_config_from_cli(argv: Sequence[str] | None = None) -> SnacServerConfig:
+    """The snac-server config from its command line and SNAC_* environment variables."""
+    return config_from_args(SnacServerConfig, argv, os.environ, "SNAC_", "snac-server")

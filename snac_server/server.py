@@ -1,0 +1,117 @@
+"""Assemble and run the SNAC tier: model, runner, batcher, gRPC service, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from .api import codec_pb2, codec_pb2_grpc
+from .batcher import MicroBatcher
+from .codec_model import build_decoder
+from .config import SnacServerConfig, snac_config_from_cli
+from .metrics import SnacMetrics
+from .runner import DecoderRunner
+from .service import CodecService
+
+log = logging.getLogger("snac_server")
+
+SERVICE_NAME = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name
+
+
+@dataclass
+class SnacServer:
+    """A built, not yet started, codec server and the parts tests may look at."""
+
+    config: SnacServerConfig
+    grpc_server: grpc.aio.Server
+    batcher: MicroBatcher
+    service: CodecService
+    health: health.aio.HealthServicer
+    metrics: SnacMetrics
+    metrics_http: WSGIServer | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_http.server_port if self.metrics_http else None
+
+    async def start(self) -> None:
+        """Start serving; report SERVING only after the decoder has warmed up."""
+        if self.config.metrics_port >= 0:
+            self.metrics_http, _ = start_http_server(
+                self.config.metrics_port, self.config.host, registry=self.metrics.registry
+            )
+        self.batcher.start()
+        await asyncio.to_thread(self.batcher.ready.wait)
+        await self.grpc_server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: report NOT_SERVING, let in-flight streams finish (up to grace), then stop."""
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s)
+        await asyncio.to_thread(self.batcher.stop)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+
+
+def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
+    """Load the model and wire every part; returns the server and its bound gRPC port."""
+    metrics = SnacMetrics()
+    decoder = build_decoder(config.model, config.resolved_device, config.dtype, config.max_batch)
+    runner = DecoderRunner(decoder, config.window_buckets, config.max_batch, config.cuda_graphs)
+    batcher = MicroBatcher(runner, config.max_batch, config.max_wait_ms / 1000.0, metrics)
+    service = CodecService(config, batcher, metrics)
+    options = [
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+    ]
+    server = grpc.aio.server(options=options)
+    codec_pb2_grpc.add_SnacCodecServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    return SnacServer(config, server, batcher, service, health_servicer, metrics), port
+
+
+async def serve(config: SnacServerConfig) -> None:
+    """Run until SIGTERM or SIGINT, then drain in-flight streams and exit."""
+    server, port = build_server(config)
+    await server.start()
+    log.info(
+        "snac-server on %s:%d (model %s, device %s, dtype %s), metrics on :%s",
+        config.host, port, config.model, config.resolved_device, config.dtype, server.metrics_port,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining %d streams (grace %.0f s)", server.service.active, config.grace_s)
+    await server.stop()
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: `snac-server --port ... --model ...`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(snac_config_from_cli(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Shared fixtures: a real SNAC server on a loopback port, and the decoder it serves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from snac_server.api import codec_pb2_grpc
+from snac_server.client import channel
+from snac_server.config import SnacServerConfig
+from snac_server.server import build_server
+
+
+def random_frames(n: int, seed: int) -> np.ndarray:
+    """n frames of valid codes, with code 0 present so the edge of the range is exercised."""
+    frames = np.random.default_rng(seed).integers(0, 4096, size=(n, 7))
+    if n:
+        frames[0, 0] = 0
+    return frames
+
+
+def server_config(**overrides) -> SnacServerConfig:
+    """Loopback, ephemeral ports, CPU, random weights: a config every test machine can run."""
+    values = dict(host="127.0.0.1", port=0, metrics_port=0, device="cpu", model="random-24khz", max_wait_ms=20.0)
+    values.update(overrides)
+    return SnacServerConfig(**values)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def snac_server():
+    """One real grpc.aio codec server per test module (model load and warm-up take seconds)."""
+    server, port = build_server(server_config())
+    await server.start()
+    server.address = f"127.0.0.1:{port}"
+    yield server
+    await server.stop(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def stub(snac_server):
+    """A client stub over a real loopback channel."""
+    async with channel(snac_server.address) as ch:
+        yield codec_pb2_grpc.SnacCodecStub(ch)
