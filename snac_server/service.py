@@ -33,6 +33,8 @@ _POLICIES = {
 # Frames a client may send ahead of decoding before its stream stops being read (flow control).
 MAX_BUFFERED_FRAMES = 4096
 _EMPTY_FINAL = object()
+# After its final chunk, how long a stream waits for the client to half-close.
+HALF_CLOSE_WAIT_S = 5.0
 
 
 def settings_from_header(header: codec_pb2.SessionHeader, config: SnacServerConfig) -> SessionSettings:
@@ -118,6 +120,7 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
                 if item is _EMPTY_FINAL:
                     yield codec_pb2.PcmChunk(first_frame=stream.session.received, num_frames=0, final=True)
+                    await self._check_after_end(reader, stream, context)
                     return
                 row, future, planned_at = item
                 try:
@@ -130,10 +133,26 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                 stream.session.on_delivered(row)
                 self._plan(stream)
                 if row.final:
+                    await self._check_after_end(reader, stream, context)
                     return
         finally:
             reader.cancel()
             self._drop(stream)
+
+    @staticmethod
+    async def _check_after_end(reader: asyncio.Task, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
+        """After the final chunk, wait for the client's half-close and fail on anything it sent late.
+
+        A client that keeps its side open past HALF_CLOSE_WAIT_S ends with OK all the same.
+        """
+        try:
+            await asyncio.wait_for(asyncio.shield(reader), HALF_CLOSE_WAIT_S)
+        except TimeoutError:
+            return
+        while not stream.outbox.empty():
+            item = stream.outbox.get_nowait()
+            if isinstance(item, InvalidFrames):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
 
     async def _open(self, requests) -> _Stream:
         """Read the session header, which must come first."""

@@ -1,0 +1,169 @@
+"""The codec tier over real gRPC on loopback: exactness, isolation, concurrency, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import random_frames
+from snac_server.api import codec_pb2
+from snac_server.client import END_REQUEST, decode, frames_request, header_request, paced_requests
+from snac_server.frames import FRAME_SAMPLES
+
+
+async def _decode(stub, frames, seed=1, policy="exact", chunk=4, per_message=1, interval=0.0, **header):
+    return await decode(stub, paced_requests(header_request(seed, policy, chunk, **header), frames, per_message, interval))
+
+
+def _assert_complete_and_in_order(stream, n_frames: int, first: int = 0) -> None:
+    expected = first
+    for chunk in stream.chunks:
+        assert chunk.first_frame == expected
+        assert len(chunk.pcm) == chunk.num_frames * FRAME_SAMPLES * 4
+        expected += chunk.num_frames
+    assert expected == n_frames
+    assert stream.chunks[-1].final and not any(c.final for c in stream.chunks[:-1])
+
+
+async def test_exact_stream_equals_one_full_decode(snac_server, stub):
+    frames = random_frames(40, seed=3)
+    stream = await _decode(stub, frames, seed=11, policy="exact", chunk=4)
+    audio = stream.audio()
+    assert audio.shape == (40 * FRAME_SAMPLES,)
+    full = snac_server.batcher._runner.decoder.decode_full(frames, seed=11)
+    assert np.abs(audio - full).max() <= 1e-4
+    assert np.abs(full).mean() > 1e-3, "a silent decoder would make this comparison vacuous"
+    _assert_complete_and_in_order(stream, 40)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "reference"])
+async def test_every_policy_emits_every_frame(stub, policy):
+    frames = random_frames(13, seed=4)
+    stream = await _decode(stub, frames, seed=2, policy=policy, chunk=0, per_message=3)
+    _assert_complete_and_in_order(stream, 13)
+    assert stream.chunks[0].first_frame == 0 and stream.chunks[0].num_frames >= 1
+
+
+async def test_adaptive_equals_full_decode_too(snac_server, stub):
+    frames = random_frames(30, seed=5)
+    stream = await _decode(stub, frames, seed=9, policy="adaptive", chunk=0, per_message=2)
+    full = snac_server.batcher._runner.decoder.decode_full(frames, seed=9)
+    assert np.abs(stream.audio() - full).max() <= 1e-4
+
+
+async def test_same_audio_alone_or_among_seven_other_streams(stub):
+    frames = random_frames(12, seed=6)
+    alone = (await _decode(stub, frames, seed=77)).audio()
+    others = [_decode(stub, random_frames(12, seed=100 + i), seed=i) for i in range(7)]
+    together, *_ = await asyncio.gather(_decode(stub, frames, seed=77), *others)
+    assert np.abs(together.audio() - alone).max() <= 1e-4
+    different_seed = (await _decode(stub, frames, seed=78)).audio()
+    assert np.abs(different_seed - alone).max() > 1e-3, "the seed must matter, or the test above is vacuous"
+
+
+async def test_sixteen_concurrent_streams_complete_in_order(snac_server, stub):
+    lengths = [3 + i % 6 for i in range(16)]
+    streams = await asyncio.gather(
+        *(_decode(stub, random_frames(n, seed=200 + i), seed=i, policy="adaptive", chunk=0) for i, n in enumerate(lengths))
+    )
+    for stream, n in zip(streams, lengths):
+        _assert_complete_and_in_order(stream, n)
+    assert snac_server.metrics.batch_size.collect()[0].samples, "batch sizes are recorded"
+    batches = {s.labels.get("le"): s.value for s in snac_server.metrics.batch_size.collect()[0].samples if s.name.endswith("_bucket")}
+    assert batches["1.0"] < batches["+Inf"], "concurrent streams must share decode steps"
+
+
+async def test_s16_output_matches_f32(stub):
+    frames = random_frames(8, seed=7)
+    f32 = (await _decode(stub, frames, seed=5)).audio()
+    s16 = await _decode(stub, frames, seed=5, sample_format=codec_pb2.SAMPLE_FORMAT_S16LE)
+    pcm = np.concatenate([np.frombuffer(c.pcm, "<i2") for c in s16.chunks]).astype(np.float32) / 32767
+    assert pcm.shape == f32.shape
+    assert np.abs(pcm - np.clip(f32, -1, 1)).max() <= 1.0 / 32767
+
+
+async def test_resumed_stream_continues_the_same_audio(stub):
+    """A client that lost its replica resends 3 frames of context and gets the rest, identical."""
+    frames = random_frames(24, seed=8)
+    whole = (await _decode(stub, frames, seed=3)).audio()
+    resumed = await _decode(stub, frames[7:], seed=3, first_frame=7, emit_from_frame=10)
+    _assert_complete_and_in_order(resumed, 24, first=10)
+    assert np.abs(resumed.audio() - whole[10 * FRAME_SAMPLES :]).max() <= 1e-4
+
+
+async def test_empty_stream_gets_a_final_chunk(stub):
+    stream = await _decode(stub, np.zeros((0, 7), dtype=np.int64))
+    assert len(stream.chunks) == 1 and stream.chunks[0].final and stream.chunks[0].num_frames == 0
+
+
+def _bad_streams():
+    good = frames_request(random_frames(2, seed=1))
+    return {
+        "code out of range": ([header_request(1), frames_request([[0, 1, 2, 3, 4, 5, 4096]])], "outside 0..4095"),
+        "negative-looking code": ([header_request(1), good, frames_request([[2**32 - 1] * 7])], "outside 0..4095"),
+        "frame without 7 codes": ([header_request(1), frames_request([[1, 2, 3]])], "has 3 codes"),
+        "frames after end": ([header_request(1), good, END_REQUEST, good], "after end of stream"),
+        "no header": ([good, END_REQUEST], "first message must be a session header"),
+        "header twice": ([header_request(1), header_request(2)], "header sent twice"),
+        "nothing at all": ([], "closed before its session header"),
+        "no end of stream": ([header_request(1), good], "without end_of_stream"),
+        "chunk too large": ([header_request(1, "exact", 999)], "exceeds this server's limit"),
+        "resume backwards": ([header_request(1, first_frame=9, emit_from_frame=2)], "before first_frame"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_streams()))
+async def test_bad_input_fails_only_its_own_stream(snac_server, stub, case):
+    messages, expected = _bad_streams()[case]
+
+    async def bad_requests():
+        for m in messages:
+            yield m
+
+    good = asyncio.create_task(_decode(stub, random_frames(10, seed=9), seed=4, interval=0.01))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await decode(stub, bad_requests(), timeout_s=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in err.value.details()
+    _assert_complete_and_in_order(await good, 10)
+
+
+async def test_a_vanished_client_frees_its_session(snac_server, stub):
+    async def endless():
+        yield header_request(1, "exact", 4)
+        for i in range(10_000):
+            yield frames_request(random_frames(1, seed=i))
+            await asyncio.sleep(0.005)
+
+    call = stub.Decode(endless())
+    await call.read()  # the stream is open and producing audio
+    assert snac_server.service.active >= 1
+    call.cancel()
+    for _ in range(100):
+        if snac_server.service.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert snac_server.service.active == 0
+
+
+async def test_health_reflection_and_metrics(snac_server):
+    async with grpc.aio.insecure_channel(snac_server.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "megapod.codec.v1.SnacCodec"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name async for r in replies for s in r.list_services_response.service}
+        assert {"megapod.codec.v1.SnacCodec", "grpc.health.v1.Health"} <= names
+    reader, writer = await asyncio.open_connection("127.0.0.1", snac_server.metrics_port)
+    writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
+    body = (await reader.read()).decode()
+    writer.close()
+    for name in ("snac_batch_size", "snac_queue_wait_seconds", "snac_decode_step_seconds", "snac_active_streams", "snac_frames_decoded_total"):
+        assert name in body
