@@ -8,8 +8,6 @@ NoiseBlock for PositionalNoise so the output depends only on codes, seed and pos
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,13 +47,11 @@ def load_snac(model: str, seed: int = 0) -> SNAC:
     if model == RANDOM_MODEL:
         torch.manual_seed(seed)
         snac = SNAC(**SNAC_24KHZ_CONFIG)
-    elif os.path.isdir(model):
+    else:  # a local directory, or a Hugging Face id resolved through the local cache first
         snac = SNAC.from_pretrained(model)
-    else:
-        snac = SNAC.from_pretrained(model)
-    config = {k: getattr(snac, k, None) for k in ("sampling_rate", "decoder_rates", "vq_strides")}
     if snac.sampling_rate != 24000 or list(snac.vq_strides) != [4, 2, 1]:
-        raise ValueError(f"{model} is not a 24 kHz SNAC with strides [4, 2, 1]: {json.dumps(config)}")
+        found = {"sampling_rate": snac.sampling_rate, "vq_strides": list(snac.vq_strides)}
+        raise ValueError(f"{model} is not a 24 kHz SNAC with strides [4, 2, 1]: {json.dumps(found)}")
     return snac.eval()
 
 
@@ -116,8 +112,3 @@ def build_decoder(model: str, device: str, dtype: str, max_batch: int) -> SnacDe
     """Load, fold and wrap SNAC on the given device and dtype ('float32', 'float16', 'bfloat16')."""
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     return SnacDecoder(load_snac(model), max_batch, torch.device(device), torch_dtype)
-
-
-def model_source_exists(model: str) -> bool:
-    """True when `model` names something loadable without a network (used for clear errors)."""
-    return model == RANDOM_MODEL or Path(model).is_dir() or "/" in model
