@@ -1,0 +1,114 @@
+"""The LLM tier's codec client against two real codec replicas on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest_asyncio
+
+from conftest import random_frames, server_config
+from llm_server.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
+from snac_server.api import codec_pb2
+from snac_server.server import build_server
+
+
+@pytest_asyncio.fixture(scope="module")
+async def replicas():
+    """Two codec replicas; tests that kill one restart it on the same port."""
+    servers = []
+    for _ in range(2):
+        server, port = build_server(server_config(metrics_port=-1))
+        await server.start()
+        server.port = port
+        servers.append(server)
+    yield servers
+    for server in servers:
+        await server.stop(grace_s=0)
+
+
+def _client(replicas, **kw) -> CodecClient:
+    addresses = ",".join(f"127.0.0.1:{s.port}" for s in replicas)
+    return CodecClient(CodecClientConfig(addresses=addresses, sample_format=codec_pb2.SAMPLE_FORMAT_F32LE, **kw))
+
+
+async def _run(client: CodecClient, frames: np.ndarray, seed: int, interval: float = 0.0, on_chunk=None):
+    stream = client.stream(seed)
+
+    async def produce():
+        for i in range(0, len(frames), 2):
+            await stream.send(frames[i : i + 2])
+            await asyncio.sleep(interval)
+        await stream.end()
+
+    producer = asyncio.create_task(produce())
+    chunks = []
+    async for chunk in stream.chunks():
+        chunks.append(chunk)
+        if on_chunk:
+            await on_chunk(chunk)
+    await producer
+    audio = np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
+    return audio, chunks, stream
+
+
+def test_targets():
+    assert channel_target("127.0.0.1:1,localhost:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert channel_target("snac-headless.megapod.svc:50051") == "dns:///snac-headless.megapod.svc:50051"
+    assert channel_target("dns:///x:1") == "dns:///x:1"
+
+
+async def test_streams_spread_over_both_replicas(replicas):
+    client = _client(replicas)
+    assert await client.ready()
+    seen = set()
+
+    async def note(_chunk):
+        seen.update(i for i, s in enumerate(replicas) if s.service.active)
+
+    await asyncio.gather(*(_run(client, random_frames(8, seed=i), i, 0.02, note) for i in range(4)))
+    await client.close()
+    assert seen == {0, 1}
+
+
+async def test_killing_the_serving_replica_loses_no_audio(replicas):
+    frames = random_frames(30, seed=42)
+    client = _client(replicas, policy=codec_pb2.POLICY_EXACT, chunk_frames=4)
+    undisturbed, _, _ = await _run(client, frames, seed=5)
+    killed = []
+
+    async def kill_after_first_chunks(chunk):
+        if chunk.first_frame >= 8 and not killed:
+            victim = next(s for s in replicas if s.service.active)
+            killed.append(victim)
+            await victim.grpc_server.stop(0)  # in-flight streams die with it
+
+    audio, chunks, stream = await _run(client, frames, seed=5, interval=0.03, on_chunk=kill_after_first_chunks)
+    await client.close()
+    assert killed and stream.failovers >= 1
+    assert [c.first_frame for c in chunks] == list(np.cumsum([0] + [c.num_frames for c in chunks[:-1]]))
+    assert audio.shape == undisturbed.shape == (30 * 2048,)
+    assert np.abs(audio - undisturbed).max() <= 1e-4
+    # Bring the victim back on its port for later tests.
+    victim = killed[0]
+    idx = replicas.index(victim)
+    server, port = build_server(server_config(metrics_port=-1, port=victim.port))
+    await server.start()
+    server.port = port
+    replicas[idx] = server
+
+
+async def test_invalid_input_is_not_retried(replicas):
+    client = _client(replicas)
+    stream = client.stream(1)
+    await stream.send(np.full((1, 7), 5000))
+    await stream.end()
+    try:
+        async for _ in stream.chunks():
+            pass
+    except CodecError as exc:
+        assert "INVALID_ARGUMENT" in str(exc)
+    else:
+        raise AssertionError("out-of-range codes were accepted")
+    finally:
+        await client.close()
