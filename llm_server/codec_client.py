@@ -142,6 +142,8 @@ class CodecStream:
         """Audio in stream order, through failovers, until the final chunk."""
         attempts = 1
         while True:
+            if self._cancelled:
+                raise CodecError("stream cancelled")
             if self._call is None:
                 await asyncio.sleep(0.005)  # nothing sent yet
                 continue
@@ -161,7 +163,7 @@ class CodecStream:
                 if chunk.final:
                     return
 
-    async def cancel(self) -> None:
+    def cancel(self) -> None:
         """Abandon the stream (client went away): the codec drops its session."""
         self._cancelled = True
         if self._call is not None:

@@ -68,7 +68,8 @@ def _parse_value(kind: object, text: str) -> object:
             raise ValueError(f"not a boolean: {text!r}")
         return text.lower() in ("1", "true", "yes", "on")
     if typing.get_origin(kind) is tuple:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        item = typing.get_args(kind)[0]
+        return tuple(item(x.strip()) for x in text.split(",") if x.strip())
     return kind(text)  # type: ignore[operator]
 
 

@@ -1,0 +1,105 @@
+"""LlmServerConfig: every setting of one llm-server worker, validated once, passed down.
+
+CLI flags and environment variables map one-to-one onto its fields: field `max_streams`
+is flag `--max-streams` and variable `ORPHEUS_MAX_STREAMS`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from snac_server.config import config_from_args
+
+ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+# OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
+OPENAI_VOICE_ALIASES = (
+    "alloy=tara,ash=dan,ballad=leo,coral=leah,echo=zac,fable=mia,nova=jess,onyx=leo,sage=zoe,shimmer=mia,verse=dan"
+)
+
+
+def parse_aliases(text: str) -> dict[str, str]:
+    """'a=b,c=d' -> {'a': 'b', 'c': 'd'}."""
+    pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"aliases must look like name=target,...: {text!r}")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+@dataclass(frozen=True)
+class LlmServerConfig:
+    """Settings of one llm-server worker (HTTP API + engine + codec client)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # Model: `tiny` (generated once into the cache dir, random weights), a local dir, or a HF id.
+    model: str = "tiny"
+    tokenizer: str = ""  # defaults to the model's own
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "orpheus-megapod")
+    backend: str = "vllm"  # vllm | trtllm
+    served_model_name: str = "orpheus"
+    model_aliases: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+    voices: tuple[str, ...] = ORPHEUS_VOICES
+    voice_aliases: str = OPENAI_VOICE_ALIASES
+    # Codec tier
+    snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
+    codec_policy: str = "adaptive"
+    # Admission and input limits
+    max_streams: int = 16
+    max_input_chars: int = 4096
+    max_segment_chars: int = 280
+    max_body_bytes: int = 65536
+    # Sampling defaults (the reference's; repetition penalty >= 1.1 keeps speech stable)
+    temperature: float = 0.6
+    top_p: float = 0.8
+    repetition_penalty: float = 1.1
+    # Engine
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0
+    enable_prefix_caching: bool = True
+    quantization: str = ""  # e.g. fp8_per_tensor (on-the-fly FP8 of a bf16 checkpoint)
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"  # `dummy`: real architecture, random weights (GPU benchmarks)
+    enforce_eager: bool = False
+    speculative_config: str = ""  # JSON, passed through to the engine
+    grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("vllm", "trtllm"):
+            raise ValueError(f"backend must be vllm or trtllm, not {self.backend!r}")
+        if self.codec_policy not in ("adaptive", "exact", "reference"):
+            raise ValueError(f"codec_policy must be adaptive, exact or reference, not {self.codec_policy!r}")
+        if self.max_streams < 1 or self.max_input_chars < 1 or self.max_segment_chars < 16:
+            raise ValueError("max_streams and max_input_chars must be >= 1, max_segment_chars >= 16")
+        unknown = set(self.voice_map.values()) - set(self.voices)
+        if unknown:
+            raise ValueError(f"voice aliases point at unknown voices: {sorted(unknown)}")
+        if not 0 < self.top_p <= 1 or self.temperature < 0 or self.repetition_penalty < 1:
+            raise ValueError("need 0 < top_p <= 1, temperature >= 0, repetition_penalty >= 1")
+
+    @property
+    def voice_map(self) -> dict[str, str]:
+        """Every accepted voice name -> the Orpheus voice spoken."""
+        return {**parse_aliases(self.voice_aliases), **{v: v for v in self.voices}}
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.model_aliases)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def llm_config_from_cli(argv: Sequence[str] | None = None) -> LlmServerConfig:
+    """The llm-server config from its command line and ORPHEUS_* environment variables."""
+    return config_from_args(LlmServerConfig, argv, os.environ, "ORPHEUS_", "llm-server")

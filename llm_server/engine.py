@@ -1,0 +1,47 @@
+"""The narrow engine interface the LLM tier needs, whatever runs the Orpheus backbone.
+
+submit prompt ids + sampling -> stream generated token ids -> abort. vLLM's async engine
+(vllm_engine.py) is the backend; TensorRT-LLM's LLM API (trtllm_engine.py) sits behind the
+same interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling. `frame_constrained` turns on the audio-frame logits mask."""
+
+    max_tokens: int
+    temperature: float = 0.6
+    top_p: float = 0.8
+    repetition_penalty: float = 1.1
+    seed: int | None = None
+    frame_constrained: bool = True
+
+
+class EngineError(RuntimeError):
+    """The engine failed a request (not the client's fault)."""
+
+
+class Engine(Protocol):
+    """What the speech pipeline asks of a backend."""
+
+    async def start(self) -> None:
+        """Load the model and be ready to generate."""
+
+    def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[list[int]]:
+        """Stream the new token ids of one request; closing the iterator early aborts it."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV cache."""
+
+    def num_unfinished(self) -> int:
+        """Requests the engine is still holding (running or waiting)."""
+
+    async def shutdown(self) -> None:
+        """Stop the engine and release its memory."""

@@ -1,0 +1,156 @@
+"""Frame-constrained decoding: slot s of each frame may only be one of its 4,096 audio ids.
+
+Generated token k belongs to slot k % 7; end of speech is allowed only at a frame boundary
+(k % 7 == 0). With real weights this removes misaligned-frame artefacts; with random
+weights it keeps the pipeline producing valid codes. Requests opt in through
+SamplingParams.extra_args[OPT_IN], so other requests on the engine are untouched.
+
+vLLM has two batch-level logits processor APIs: the V1 runner's (CPU, and GPU with
+VLLM_USE_V2_MODEL_RUNNER=0) sees each request's running output ids; Model Runner V2's
+(the GPU default) sees each row's position. Both share one mask function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
+
+from .audio_tokens import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, CODES_PER_FRAME, END_OF_SPEECH
+
+OPT_IN = "orpheus_frames"
+
+
+def wants_frames(params: SamplingParams) -> bool:
+    """True for requests that opted in (either form of extra_args[OPT_IN])."""
+    return bool(params.extra_args and params.extra_args.get(OPT_IN))
+
+
+def allowed_mask(vocab_size: int, generated: torch.Tensor) -> torch.Tensor:
+    """(rows, vocab) bool: the ids each row may sample, given how many tokens it generated."""
+    slot = generated % CODES_PER_FRAME
+    low = (AUDIO_TOKEN_BASE + CODEBOOK_SIZE * slot)[:, None]
+    cols = torch.arange(vocab_size, device=generated.device)[None, :]
+    allowed = (cols >= low) & (cols < low + CODEBOOK_SIZE)
+    return allowed | ((cols == END_OF_SPEECH) & (slot == 0)[:, None])
+
+
+@dataclass
+class _SlotSampler:
+    """One request's sampling over its slot's 4,097 candidates (4,096 codes + end of speech).
+
+    Sampling a 4,097-wide slice instead of the 156,940-id vocabulary is what makes top-p and
+    repetition penalty affordable on CPU: the processor picks the token and leaves vLLM a
+    one-hot row to take greedily.
+    """
+
+    outputs: list[int]  # the request's running output ids (vLLM mutates it in place)
+    temperature: float
+    top_p: float
+    repetition_penalty: float
+    generator: torch.Generator
+    seen: torch.Tensor  # (7 * 4096,) bool: audio ids this request already produced
+    cursor: int = 0
+
+    @classmethod
+    def create(cls, params: SamplingParams, outputs: list[int]) -> _SlotSampler | None:
+        spec = params.extra_args.get(OPT_IN) if params.extra_args else None
+        if not isinstance(spec, dict):
+            return None
+        generator = torch.Generator().manual_seed(int(spec.get("seed") or 0))
+        seen = torch.zeros(CODES_PER_FRAME * CODEBOOK_SIZE, dtype=torch.bool)
+        return cls(outputs, float(spec["temperature"]), float(spec["top_p"]), float(spec["repetition_penalty"]), generator, seen)
+
+    def choose(self, logits_row: torch.Tensor) -> int:
+        """Sample this step's token id from the row's slot slice."""
+        for token in self.outputs[self.cursor :]:
+            if 0 <= token - AUDIO_TOKEN_BASE < self.seen.numel():
+                self.seen[token - AUDIO_TOKEN_BASE] = True
+        self.cursor = len(self.outputs)
+        slot = len(self.outputs) % CODES_PER_FRAME
+        low = AUDIO_TOKEN_BASE + CODEBOOK_SIZE * slot
+        cand = logits_row[low : low + CODEBOOK_SIZE].float().cpu()
+        if self.repetition_penalty != 1.0:  # the same rule as vLLM's: shrink seen tokens' logits
+            seen = self.seen[CODEBOOK_SIZE * slot : CODEBOOK_SIZE * (slot + 1)]
+            cand = torch.where(seen, torch.where(cand > 0, cand / self.repetition_penalty, cand * self.repetition_penalty), cand)
+        eos = logits_row[END_OF_SPEECH].float().cpu().reshape(1) if slot == 0 else torch.full((1,), float("-inf"))
+        cand = torch.cat([cand, eos])
+        if self.temperature <= 0:
+            pick = int(cand.argmax())
+        else:
+            probs = torch.softmax(cand / self.temperature, dim=0)
+            pick = int(torch.multinomial(_top_p(probs, self.top_p), 1, generator=self.generator))
+        return END_OF_SPEECH if pick == CODEBOOK_SIZE else low + pick
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of candidates whose probability reaches top_p."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(descending=True)
+    drop = sorted_probs.cumsum(0) - sorted_probs > top_p
+    sorted_probs[drop] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+class FrameConstraintV1(V1LogitsProcessor):
+    """The constraint for vLLM's V1 model runner (the CPU path): mask, or sample the slot.
+
+    extra_args[OPT_IN] = True masks the row to its slot and lets vLLM sample; a dict of
+    {temperature, top_p, repetition_penalty, seed} samples the slot here (the request then
+    runs greedy in vLLM, which takes the one-hot row).
+    """
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self._masked: dict[int, list[int]] = {}  # batch row -> the request's running output ids
+        self._sampled: dict[int, _SlotSampler] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes the argmax, so it must run under greedy sampling too
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(
+            self._masked, batch_update, lambda params, _prompt, out: out if params.extra_args and params.extra_args.get(OPT_IN) is True else None
+        )
+        process_dict_updates(self._sampled, batch_update, lambda params, _prompt, out: _SlotSampler.create(params, out))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._masked:
+            rows = torch.tensor(list(self._masked), device=logits.device)
+            generated = torch.tensor([len(out) for out in self._masked.values()], device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~allowed_mask(logits.shape[1], generated), float("-inf"))
+        for row, sampler in self._sampled.items():
+            token = sampler.choose(logits[row])
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = 0.0
+        return logits
+
+
+class FrameConstraintV2(V2LogitsProcessor):
+    """The mask for Model Runner V2: generated count = row position + 1 - prompt length."""
+
+    def __init__(self, vllm_config, req_states: LogitsProcRequestState) -> None:
+        self._req_states = req_states
+        self._enabled = torch.zeros(req_states.max_num_reqs, dtype=torch.bool, device=req_states.device)
+        self._staged: dict[int, bool] = {}
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        self._staged[req_idx] = wants_frames(sampling_params)  # slots are recycled: always overwrite
+        return self._staged[req_idx]
+
+    def apply_staged_writes(self) -> None:
+        for req_idx, on in self._staged.items():
+            self._enabled[req_idx] = on
+        self._staged.clear()
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        slots = ctx.expanded_idx_mapping
+        generated = ctx.pos.long() + 1 - self._req_states.prompt_len.gpu[slots].long()
+        blocked = ~allowed_mask(logits.shape[1], generated) & self._enabled[slots][:, None]
+        return logits.masked_fill_(blocked, float("-inf"))

@@ -1,0 +1,28 @@
+"""Prometheus metrics of one llm-server worker, in a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Around what a voice agent feels: 100-300 ms to first audio is good, a second is bad.
+_TTFA_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+
+
+class LlmMetrics:
+    """The worker's metrics; `registry` is what GET /metrics serves."""
+
+    def __init__(self, engine_unfinished: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_audio = Histogram(
+            "orpheus_time_to_first_audio_seconds", "Request start to first audio byte", buckets=_TTFA_BUCKETS, registry=r
+        )
+        self.active_streams = Gauge("orpheus_active_streams", "Speech streams being served", registry=r)
+        self.tokens = Counter("orpheus_generated_tokens", "Audio-code tokens generated", registry=r)
+        self.frames = Counter("orpheus_frames", "Audio frames generated (7 tokens each)", registry=r)
+        self.audio_seconds = Counter("orpheus_audio_seconds", "Seconds of audio delivered", registry=r)
+        self.requests = Counter("orpheus_requests", "Speech requests by outcome", ["outcome"], registry=r)
+        self.engine_queue = Gauge("orpheus_engine_unfinished_requests", "Requests held by the engine", registry=r)
+        self.engine_queue.set_function(engine_unfinished)

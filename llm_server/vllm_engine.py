@@ -1,0 +1,119 @@
+"""The Engine over vLLM's V1 async engine, in-process: ids in, streamed token ids out.
+
+The engine is driven from the event loop that started it, for its whole life (V1 breaks
+with a loop per request). A request whose consumer stops early is aborted, which frees its
+KV cache at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from .audio_tokens import STOP_TOKEN_IDS
+from .config import LlmServerConfig
+from .engine import EngineError, Sampling
+from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(config: LlmServerConfig, model_dir: str):
+    """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    device = config.resolved_device
+    if device == "cpu":  # vLLM's CPU backend sizes its KV cache from this variable
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(config.cpu_kv_cache_gb))))
+    return AsyncEngineArgs(
+        model=model_dir,
+        tokenizer=config.tokenizer or model_dir,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_prefix_caching=config.enable_prefix_caching,
+        quantization=config.quantization or None,
+        kv_cache_dtype=config.kv_cache_dtype,
+        load_format=config.load_format,
+        enforce_eager=config.enforce_eager,
+        speculative_config=json.loads(config.speculative_config) if config.speculative_config else None,
+        logits_processors=[FrameConstraintV1],
+        disable_log_stats=True,
+    )
+
+
+class VllmEngine:
+    """vLLM AsyncLLM behind the narrow Engine interface."""
+
+    def __init__(self, config: LlmServerConfig, model_dir: str) -> None:
+        self._config = config
+        self._model_dir = model_dir
+        self._engine = None
+        self._slot_sampler = True  # sample the slot in the logits processor (V1 runner only)
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(self._config, self._model_dir)
+        vllm_config = args.create_engine_config()
+        if vllm_config.use_v2_model_runner:  # GPU default: that runner has its own processor API
+            args.logits_processors = [FrameConstraintV2]
+            vllm_config = args.create_engine_config()
+            self._slot_sampler = False
+        self._engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+        log.info("vLLM engine up (%s runner)", "V2" if vllm_config.use_v2_model_runner else "V1")
+
+    def _params(self, sampling: Sampling):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        common = dict(
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=list(STOP_TOKEN_IDS),
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+            seed=sampling.seed,
+        )
+        if sampling.frame_constrained and self._slot_sampler:
+            spec = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                    "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed}
+            return SamplingParams(temperature=0.0, extra_args={OPT_IN: spec}, **common)
+        return SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, repetition_penalty=sampling.repetition_penalty,
+            extra_args={OPT_IN: True} if sampling.frame_constrained else None, **common,
+        )
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[list[int]]:
+        from vllm.inputs import TokensPrompt
+
+        finished = False
+        try:
+            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), self._params(sampling), request_id):
+                tokens = list(output.outputs[0].token_ids)
+                if tokens:
+                    yield tokens
+                finished = output.finished
+        except Exception as exc:
+            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+                raise EngineError(f"engine failed request {request_id}: {exc}") from exc
+            raise
+        finally:
+            if not finished:  # the consumer left early: free the KV cache now
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    def num_unfinished(self) -> int:
+        if self._engine is None:
+            return 0
+        return self._engine.output_processor.get_num_unfinished_requests()
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
