@@ -1,0 +1,110 @@
+"""Start the real servers as processes on free loopback ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A server process and where it listens."""
+
+    args: list[str]
+    port: int
+    metrics_port: int | None = None
+    log: Path | None = None
+    popen: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self, log_dir: Path) -> Proc:
+        self.log = log_dir / f"{Path(self.args[2]).name}-{self.port}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen(self.args, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        if not self.alive():
+            return self.popen.returncode if self.popen else None
+        self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log and self.log.exists() else ""
+
+
+def snac_process(port: int | None = None, *extra: str) -> Proc:
+    port = port or free_port()
+    metrics = free_port()
+    args = [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port),
+            "--metrics-port", str(metrics), "--device", "cpu", "--max-wait-ms", "10", *extra]
+    return Proc(args, port, metrics)
+
+
+def llm_process(snac_ports: list[int], *extra: str) -> Proc:
+    port = free_port()
+    args = [sys.executable, "-m", "llm_server", "--host", "127.0.0.1", "--port", str(port),
+            "--snac", ",".join(f"127.0.0.1:{p}" for p in snac_ports), "--model", "tiny", "--cache-dir", TINY_CACHE,
+            "--device", "cpu", "--enforce-eager", "true", "--max-model-len", "1024", "--max-num-seqs", "16", *extra]
+    return Proc(args, port)
+
+
+def wait_snac_serving(proc: Proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"snac-server exited:\n{proc.tail()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.3)
+    raise TimeoutError(f"snac-server not serving:\n{proc.tail()}")
+
+
+def wait_http_ready(proc: Proc, path: str = "/ready", timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"llm-server exited:\n{proc.tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{proc.port}{path}", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"llm-server not ready:\n{proc.tail()}")
+
+
+def scrape(port: int, name: str) -> float:
+    """Sum of a Prometheus metric's samples from a /metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples = (line for line in text.splitlines() if line and not line.startswith("#"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples if line.split("{")[0].split(" ")[0] == name)

@@ -1,0 +1,197 @@
+"""The LLM tier end to end: real vLLM (CPU build), the tiny model, real snac-server replicas,
+driven by the `openai` SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import signal
+import time
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from processes import llm_process, scrape, snac_process, wait_http_ready, wait_snac_serving
+
+MAX_STREAMS = 8
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Two codec replicas and one LLM worker, as processes on loopback."""
+    logs = tmp_path_factory.mktemp("logs")
+    replicas = [snac_process().start(logs) for _ in range(2)]
+    worker = llm_process([r.port for r in replicas], "--max-streams", str(MAX_STREAMS)).start(logs)
+    try:
+        for r in replicas:
+            wait_snac_serving(r)
+        wait_http_ready(worker)
+        yield {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}", "logs": logs}
+    finally:
+        for p in [worker, *replicas]:
+            p.stop()
+
+
+def _frames_generated(stack) -> float:
+    return scrape(stack["worker"].port, "orpheus_frames_total")
+
+
+def _pcm_of_wav(data: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        return np.frombuffer(w.readframes(10**9), "<i2")
+
+
+def _s16_diff(a: bytes, b: bytes) -> int:
+    return int(np.abs(np.frombuffer(a, "<i2").astype(np.int32) - np.frombuffer(b, "<i2").astype(np.int32)).max())
+
+
+def _openai(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack['url']}/v1", api_key="unused", timeout=300)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm"])
+def test_openai_sdk_streams_valid_audio(stack, fmt):
+    before = _frames_generated(stack)
+    with _openai(stack).audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input="Hello there.", response_format=fmt
+    ) as response:
+        assert response.headers["content-type"] == f"audio/{fmt}"
+        data = b"".join(response.iter_bytes())
+    frames = _frames_generated(stack) - before
+    pcm = _pcm_of_wav(data) if fmt == "wav" else np.frombuffer(data, "<i2")
+    assert frames > 0
+    assert len(pcm) == 2048 * frames
+    assert np.abs(pcm.astype(np.int32)).max() > 0, "audio is not silence"
+
+
+def test_sse_stream_format(stack):
+    with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", timeout=300,
+                      json={"model": "orpheus", "input": "Hi.", "voice": "tara", "response_format": "pcm", "stream_format": "sse"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(pcm) % (2048 * 2) == 0 and len(pcm) > 0
+
+
+def test_same_seed_same_audio(stack):
+    body = {"model": "orpheus", "input": "Same again.", "voice": "leo", "response_format": "pcm", "seed": 1234}
+    a = httpx.post(f"{stack['url']}/v1/audio/speech", json=body, timeout=300).content
+    b = httpx.post(f"{stack['url']}/v1/audio/speech", json=body, timeout=300).content
+    c = httpx.post(f"{stack['url']}/v1/audio/speech", json={**body, "seed": 99}, timeout=300).content
+    # Adaptive chunk boundaries depend on timing; chunking changes float rounding, so the
+    # s16 samples may differ by a least significant bit, never more.
+    assert len(a) == len(b) > 0
+    assert _s16_diff(a, b) <= 2
+    assert _s16_diff(a[: min(len(a), len(c))], c[: min(len(a), len(c))]) > 1000
+
+
+async def test_eight_concurrent_streams_complete(stack):
+    async with httpx.AsyncClient(base_url=stack["url"], timeout=600) as client:
+        async def one(i):
+            r = await client.post("/v1/audio/speech", json={"model": "tts-1", "input": f"Stream number {i}.", "voice": "nova", "response_format": "wav"})
+            assert r.status_code == 200, r.text
+            return _pcm_of_wav(r.content)
+
+        outs = await asyncio.gather(*(one(i) for i in range(8)))
+    assert all(len(o) > 0 and len(o) % 2048 == 0 for o in outs)
+
+
+async def test_admission_cap_refuses_fast_with_retry_after(stack):
+    async with httpx.AsyncClient(base_url=stack["url"], timeout=600) as client:
+        body = {"model": "tts-1", "input": "Hold this line open for a while, please.", "voice": "tara"}
+        held = [client.stream("POST", "/v1/audio/speech", json=body) for _ in range(MAX_STREAMS)]
+        responses = await asyncio.gather(*(h.__aenter__() for h in held))
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            started = time.perf_counter()
+            refused = await client.post("/v1/audio/speech", json=body)
+            assert refused.status_code == 429
+            assert time.perf_counter() - started < 1.0
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        finally:
+            for h in held:
+                await h.__aexit__(None, None, None)
+
+
+def test_client_disconnect_aborts_the_engine_request(stack):
+    body = {"model": "tts-1", "input": "A long sentence that keeps the engine busy for quite a while. " * 4, "voice": "dan"}
+    with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
+        next(r.iter_raw())  # audio is flowing
+        assert scrape(stack["worker"].port, "orpheus_engine_unfinished_requests") >= 1
+    gone = time.perf_counter()
+    while scrape(stack["worker"].port, "orpheus_engine_unfinished_requests") > 0:
+        assert time.perf_counter() - gone < 1.0, "the engine still runs the request 1 s after the client left"
+        time.sleep(0.05)
+    assert scrape(stack["worker"].port, "orpheus_active_streams") == 0
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "tts-1", "input": "", "voice": "tara"}, 400, "input"),
+        ({"model": "tts-1", "input": "   \n ", "voice": "tara"}, 400, "input"),
+        ({"model": "tts-1", "input": "x" * 5000, "voice": "tara"}, 400, "input"),
+        ({"model": "tts-1", "input": "hi", "voice": "bob"}, 400, "voice"),
+        ({"model": "tts-1", "input": "hi", "voice": "tara", "response_format": "flac"}, 400, "response_format"),
+        ({"model": "tts-1", "input": "hi", "voice": "tara", "stream_format": "ws"}, 400, "stream_format"),
+        ({"model": "tts-1", "input": "hi", "voice": "tara", "speed": 1.5}, 400, "speed"),
+        ({"model": "gpt-5", "input": "hi", "voice": "tara"}, 404, "model"),
+        ({"model": "tts-1", "input": "hi", "voice": "tara", "path": "/etc/passwd"}, 400, "path"),
+        ({"model": "tts-1", "voice": "tara"}, 400, "input"),
+        ({"model": "tts-1", "input": 5, "voice": "tara"}, 400, "input"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors(stack, body, status, param):
+    r = httpx.post(f"{stack['url']}/v1/audio/speech", json=body, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_a_400(stack):
+    r = httpx.post(f"{stack['url']}/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_voices_models_health_metrics(stack):
+    url = stack["url"]
+    voices = httpx.get(f"{url}/v1/voices").json()
+    assert {v["id"] for v in voices["voices"]} >= {"tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"}
+    assert voices["aliases"]["alloy"] == "tara"
+    assert {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]} >= {"orpheus", "tts-1"}
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").status_code == 200
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("orpheus_time_to_first_audio_seconds", "orpheus_active_streams", "orpheus_generated_tokens_total",
+                 "orpheus_frames_total", "orpheus_engine_unfinished_requests"):
+        assert name in text
+
+
+def test_killing_the_serving_replica_keeps_the_same_audio(stack):
+    """Runs last in this module: it kills a codec replica (and restarts it)."""
+    body = {"model": "tts-1", "input": "Failover should be seamless for the listener.", "voice": "zoe",
+            "response_format": "pcm", "seed": 777}
+    undisturbed = httpx.post(f"{stack['url']}/v1/audio/speech", json=body, timeout=300).content
+    killed = None
+    audio = b""
+    with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
+        for chunk in r.iter_bytes():
+            audio += chunk
+            if killed is None and len(audio) > 2048 * 2 * 4:
+                killed = next(p for p in stack["replicas"] if scrape(p.metrics_port, "snac_active_streams") > 0)
+                killed.stop(signal.SIGKILL)
+    assert killed is not None
+    assert len(audio) == len(undisturbed)
+    assert _s16_diff(audio, undisturbed) <= 2, "resumed audio must match the undisturbed run (to s16 rounding)"
+    restarted = snac_process(killed.port).start(stack["logs"])
+    stack["replicas"][stack["replicas"].index(killed)] = restarted
+    wait_snac_serving(restarted)
