@@ -1,0 +1,84 @@
+"""The vLLM engine adapter in-process: frame-constrained tokens, seeds, abort, and both logits
+processor paths (the slot sampler and the plain mask)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from llm_server.audio_tokens import END_OF_SPEECH, STOP_TOKEN_IDS, slot_range
+from llm_server.config import LlmServerConfig
+from llm_server.engine import Sampling
+from llm_server.model_source import resolve_model
+from llm_server.vllm_engine import VllmEngine
+from processes import TINY_CACHE
+
+PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engine():
+    config = LlmServerConfig(cache_dir=TINY_CACHE, device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=16)
+    eng = VllmEngine(config, resolve_model("tiny", TINY_CACHE))
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def _generate(engine, sampling: Sampling, request_id: str) -> list[int]:
+    tokens: list[int] = []
+    async for delta in engine.generate(PROMPT, sampling, request_id):
+        tokens += delta
+    return tokens
+
+
+def _misplaced(tokens: list[int]) -> list[tuple[int, int]]:
+    """(position, token) of every token outside its frame slot's range."""
+    bad = []
+    for k, token in enumerate(tokens):
+        low, high = slot_range(k % 7)
+        if token in STOP_TOKEN_IDS:
+            if token != END_OF_SPEECH or k % 7:
+                bad.append((k, token))
+        elif not low <= token < high:
+            bad.append((k, token))
+    return bad
+
+
+@pytest.mark.parametrize("slot_sampler", [True, False], ids=["slot-sampler", "mask-only"])
+async def test_every_generated_id_lies_in_its_slot(engine, slot_sampler):
+    engine._slot_sampler = slot_sampler
+    try:
+        outs = await asyncio.gather(*(_generate(engine, Sampling(max_tokens=141, seed=i), f"slots-{slot_sampler}-{i}") for i in range(8)))
+    finally:
+        engine._slot_sampler = True
+    assert sum(len(o) for o in outs) > 8 * 7
+    for tokens in outs:
+        assert _misplaced(tokens) == []
+
+
+async def test_unconstrained_requests_are_left_alone(engine):
+    tokens = await _generate(engine, Sampling(max_tokens=40, temperature=0, frame_constrained=False), "free-1")
+    assert _misplaced(tokens), "a random model without the mask should stray outside the slots"
+
+
+async def test_a_seed_makes_the_tokens_reproducible_whatever_runs_beside(engine):
+    alone = await _generate(engine, Sampling(max_tokens=70, seed=42), "seed-alone")
+    crowd = [_generate(engine, Sampling(max_tokens=70, seed=100 + i), f"seed-crowd-{i}") for i in range(5)]
+    together, *_ = await asyncio.gather(_generate(engine, Sampling(max_tokens=70, seed=42), "seed-together"), *crowd)
+    assert alone == together
+    assert alone != await _generate(engine, Sampling(max_tokens=70, seed=43), "seed-other")
+
+
+async def test_closing_the_stream_aborts_the_request(engine):
+    stream = engine.generate(PROMPT, Sampling(max_tokens=700, seed=1), "abort-me")
+    await stream.__anext__()
+    assert engine.num_unfinished() >= 1
+    await stream.aclose()
+    for _ in range(20):
+        if engine.num_unfinished() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.num_unfinished() == 0
