@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+import torch
 
 from llm_server.audio_tokens import END_OF_SPEECH, STOP_TOKEN_IDS, slot_range
 from llm_server.config import LlmServerConfig
@@ -82,3 +83,19 @@ async def test_closing_the_stream_aborts_the_request(engine):
             break
         await asyncio.sleep(0.05)
     assert engine.num_unfinished() == 0
+
+
+def test_trtllm_backend_refuses_clearly_without_tensorrt_llm():
+    """The second backend is importable everywhere and names what it needs where it cannot run."""
+    from llm_server.engine import EngineError
+    from llm_server.trtllm_engine import FrameMask, TrtLlmEngine
+
+    engine = TrtLlmEngine(LlmServerConfig(backend="trtllm"), "unused")
+    with pytest.raises(EngineError, match="tensorrt_llm"):
+        asyncio.run(engine.start())
+    assert engine.num_unfinished() == 0
+    prompt = [1, 2, 3]
+    logits = torch.zeros(1, 156_940)
+    FrameMask(prompt)(0, logits, [prompt + [slot_range(0)[0], slot_range(1)[0]]], None, None)  # 2 generated: slot 2
+    allowed = torch.isfinite(logits[0]).nonzero().flatten()
+    assert allowed.min().item() == slot_range(2)[0] and allowed.max().item() == slot_range(2)[1] - 1

@@ -1,0 +1,109 @@
+"""The Engine over TensorRT-LLM's LLM API (second backend, `--backend trtllm`).
+
+Written against the LLM API (tensorrt_llm.LLM.generate_async with streaming=True, per-request
+logits processors). Not run in this project's CI: TensorRT-LLM's PyPI package is a stub that
+fetches its wheel from NVIDIA's registry, which these machines cannot reach. On a GPU host
+with tensorrt_llm installed it plugs in behind the same interface as vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import torch
+
+from .audio_tokens import STOP_TOKEN_IDS
+from .config import LlmServerConfig
+from .engine import EngineError, Sampling
+from .frame_constraint import allowed_mask
+
+log = logging.getLogger(__name__)
+
+
+class FrameMask:
+    """Per-request TensorRT-LLM logits processor: the same frame mask as the vLLM paths."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self._prompt = prompt_ids
+
+    def __call__(self, req_id: int, logits: torch.Tensor, token_ids: list[list[int]], stream_ptr: int | None,
+                 client_id: int | None) -> None:
+        seq = token_ids[0]
+        # The callback's ids may or may not include the prompt; count generated tokens either way.
+        generated = len(seq) - len(self._prompt) if seq[: len(self._prompt)] == self._prompt else len(seq)
+        if logits.is_cuda and stream_ptr:  # run on the stream TensorRT-LLM gave us, not the default one
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr)):
+                self._mask(logits, generated)
+        else:
+            self._mask(logits, generated)
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, generated: int) -> None:
+        rows = logits.view(-1, logits.shape[-1])
+        allowed = allowed_mask(rows.shape[-1], torch.full((rows.shape[0],), generated, device=rows.device))
+        rows.masked_fill_(~allowed, float("-inf"))
+
+
+class TrtLlmEngine:
+    """tensorrt_llm.LLM behind the narrow Engine interface."""
+
+    def __init__(self, config: LlmServerConfig, model_dir: str) -> None:
+        self._config = config
+        self._model_dir = model_dir
+        self._llm = None
+        self._running: dict[str, object] = {}
+
+    async def start(self) -> None:
+        try:
+            from tensorrt_llm import LLM
+            from tensorrt_llm.llmapi import KvCacheConfig
+        except ImportError as exc:
+            raise EngineError("--backend trtllm needs tensorrt_llm installed (NVIDIA's wheel, GPU hosts only)") from exc
+        self._llm = LLM(
+            model=self._model_dir,
+            tokenizer=self._config.tokenizer or self._model_dir,
+            dtype=self._config.dtype,
+            max_batch_size=self._config.max_num_seqs,
+            max_seq_len=self._config.max_model_len,
+            kv_cache_config=KvCacheConfig(
+                free_gpu_memory_fraction=self._config.gpu_memory_utilization,
+                enable_block_reuse=self._config.enable_prefix_caching,
+            ),
+        )
+        log.info("TensorRT-LLM engine up")
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[list[int]]:
+        from tensorrt_llm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            repetition_penalty=sampling.repetition_penalty, seed=sampling.seed, stop_token_ids=list(STOP_TOKEN_IDS),
+            detokenize=False, logits_processor=FrameMask(prompt_ids) if sampling.frame_constrained else None,
+        )
+        result = self._llm.generate_async(prompt_ids, params, streaming=True)
+        self._running[request_id] = result
+        sent = 0
+        try:
+            async for output in result:
+                tokens = list(output.outputs[0].token_ids)
+                if len(tokens) > sent:
+                    yield tokens[sent:]
+                    sent = len(tokens)
+        finally:
+            if not result.finished:  # the consumer left early: free the KV cache now
+                result.abort()
+            self._running.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        result = self._running.pop(request_id, None)
+        if result is not None:
+            result.abort()
+
+    def num_unfinished(self) -> int:
+        return len(self._running)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
