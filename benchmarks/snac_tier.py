@@ -247,6 +247,34 @@ async def run_streams(address: str, streams: Sequence[StreamInput], policy: str,
 # -- statistics ---------------------------------------------------------------------------------
 
 
+def system_busy_s() -> float | None:
+    """CPU seconds the whole machine has been busy (all cores, all processes); None without /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU used over an interval, in cores: by this process, and by everything else on the machine.
+
+    The second figure is the one to watch on a shared machine: PyTorch's OpenMP threads slow down
+    far more than proportionally when another process takes a core.
+    """
+
+    def __init__(self) -> None:
+        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), system_busy_s()
+
+    def read(self) -> dict[str, float | None]:
+        wall = time.perf_counter() - self._wall
+        own = (time.process_time() - self._own) / wall
+        busy = system_busy_s()
+        other = None if busy is None or self._busy is None else max(0.0, (busy - self._busy) / wall - own)
+        return {"process_cores": round(own, 3), "other_processes_cores": None if other is None else round(other, 3)}
+
+
 def pct(values: Sequence[float], *ps: float, scale: float = 1000.0) -> dict[str, float | None]:
     """Percentiles p<q> of `values` times `scale` (seconds -> ms by default); None when empty."""
     arr = np.asarray(values, dtype=np.float64)
@@ -343,10 +371,10 @@ async def server_throughput(server: SnacServer, address: str, counter: WindowCou
     warm = make_streams(len(streams), min(WARMUP_FRAMES, len(streams[0].frames)), base_seed=SEED + 10_000)
     await run_streams(address, warm, policy, chunk_frames)  # not timed: first batch shapes, channel setup
     before, windows_before = metric_snapshot(server), counter.snapshot()
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    meter = CpuMeter()
     runs = await run_streams(address, streams, policy, chunk_frames)
     wall = max((r.arrivals[-1] if r.arrivals else time.perf_counter()) for r in runs) - min(r.started for r in runs)
-    cpu = time.process_time() - cpu0
+    cpu = meter.read()
     errors = [r.error for r in runs if r.error]
     delivered = sum(n for r in runs for _, n in r.chunks)
     stats = server_delta(server, counter, before, windows_before)
@@ -359,8 +387,7 @@ async def server_throughput(server: SnacServer, address: str, counter: WindowCou
         "audio_s_per_s": audio_seconds(streams) / wall,
         "frames_delivered": delivered,
         "errors": errors,
-        "process_cpu_s": round(cpu, 3),
-        "process_cpu_utilisation": round(cpu / (time.perf_counter() - t0), 3),  # in cores: decode thread + gRPC loop
+        "cpu": cpu,  # process_cores: decode thread + gRPC loop + client together
         "decode_thread_busy_fraction": round(stats.step["sum"] / wall, 3),
         "chunk_gap_ms": pct(gaps, 50, 95, 99),
         "time_to_first_chunk_ms": pct(ttfc, 50, 95),
@@ -405,10 +432,9 @@ def reference_throughput(decoder: SnacDecoder, streams: list[StreamInput]) -> di
     """Audio-s per wall-s of the reference way over the same frames, sequentially."""
     warm = make_streams(1, WARMUP_WINDOWS, base_seed=SEED + 20_000)[0]
     reference_decode_stream(decoder, warm)  # not timed
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    meter, t0 = CpuMeter(), time.perf_counter()
     samples = sum(reference_decode_stream(decoder, s) for s in streams)
     wall = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0
     frames = sum(len(s.frames) for s in streams)
     assert samples == frames * FRAME_SAMPLES, "the reference must emit every frame"
     return {
@@ -417,8 +443,7 @@ def reference_throughput(decoder: SnacDecoder, streams: list[StreamInput]) -> di
         "audio_s_per_s": audio_seconds(streams) / wall,
         "window_frames_per_emitted_frame": sum(min(4, len(s.frames)) * len(s.frames) for s in streams) / frames,
         "mean_window_ms": round(wall / frames * 1000, 3),
-        # Well below torch's thread count (on CPU): something else on the machine took the cores.
-        "process_cpu_utilisation": round(cpu / wall, 3),
+        "cpu": meter.read(),
     }
 
 
@@ -599,12 +624,10 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
-def contended(result: dict[str, Any]) -> bool:
-    """Whether the CPU reference visibly shared its cores with other work during its timing."""
-    ref = result.get("reference")
-    if not ref or result["device_type"] != "cpu":
-        return False
-    return ref["process_cpu_utilisation"] < 0.8 * torch.get_num_threads()
+def contended(result: dict[str, Any], limit_cores: float = 0.1) -> list[str]:
+    """The timed sides during which other processes used more than `limit_cores` of the machine."""
+    sides = [k for k in ("server", "reference") if k in result]
+    return [k for k in sides if (result[k]["cpu"]["other_processes_cores"] or 0.0) > limit_cores]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -619,9 +642,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(summary_line(result))
-    if contended(result):
-        print("warning: the reference got less CPU than torch's thread count; other load on this machine "
-              "may skew the ratio (see load_average_* and process_cpu_utilisation in the JSON)")
+    busy = contended(result)
+    if busy:
+        print(f"warning: other processes used CPU during the {' and '.join(busy)} timing; figures are skewed "
+              "(see cpu.other_processes_cores in the JSON) - rerun on an idle machine")
+    result["contended"] = busy
     print(f"wrote {out} ({result['benchmark_wall_s']:.1f} s)")
     return result
 
