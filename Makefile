@@ -1,6 +1,7 @@
 # The two commands of this project:
-#   make serve   install into .venv/ if needed, then run the stack on defaults that need no GPU
-#                and no downloaded weights (for now: the SNAC codec tier, random weights, CPU)
+#   make serve   install into .venv/ if needed, then run the whole stack (`megapod up`: 1 LLM
+#                worker, 2 SNAC replicas, front endpoint on :8000) on defaults that need no GPU and
+#                no downloaded weights; give real checkpoints with MEGAPOD_LLM_MODEL / MEGAPOD_SNAC_MODEL
 #   make test    install into .venv/ if needed, then run the test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/snac-server --device cpu --model random-24khz
+	$(BIN)/megapod up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -481,7 +481,9 @@ async def realtime_trial(address: str, n: int, args: argparse.Namespace, trial: 
     """N streams paced at real time (starts staggered over one frame); latency and underruns."""
     streams = make_streams(n, args.frames, base_seed=SEED + 100_000 * (trial + 1))
     interval = FRAME_SECONDS / args.pace
+    meter = CpuMeter()
     runs = await run_streams(address, streams, args.policy, args.chunk_frames, interval, stagger_s=interval)
+    cpu = meter.read()
     latencies = [
         arrival - needed_send_time(r, first, count, args.policy)
         for r in runs for arrival, (first, count) in zip(r.arrivals, r.chunks)
@@ -500,6 +502,7 @@ async def realtime_trial(address: str, n: int, args: argparse.Namespace, trial: 
         "time_to_first_chunk_ms": pct([r.arrivals[0] - r.started for r in runs if r.arrivals], 50, 95),
         "chunk_frames_histogram": {str(k): v for k, v in sorted(Counter(c for r in runs for _, c in r.chunks).items())},
         "client_send_lag_ms": pct(send_lag, 50, 99),  # large values: the in-process client, not the server, is late
+        "cpu": cpu,
         "errors": errors[:5],
     }
 
@@ -625,9 +628,11 @@ def _ms(value: float | None) -> str:
 
 
 def contended(result: dict[str, Any], limit_cores: float = 0.1) -> list[str]:
-    """The timed sides during which other processes used more than `limit_cores` of the machine."""
-    sides = [k for k in ("server", "reference") if k in result]
-    return [k for k in sides if (result[k]["cpu"]["other_processes_cores"] or 0.0) > limit_cores]
+    """The timed parts during which other processes used more than `limit_cores` of the machine."""
+    parts = {k: result[k] for k in ("server", "reference") if k in result}
+    for trial in result.get("realtime", {}).get("trials", []):
+        parts[f"{trial['streams']}-stream trial"] = trial
+    return [name for name, part in parts.items() if (part["cpu"]["other_processes_cores"] or 0.0) > limit_cores]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -638,15 +643,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = asyncio.run(run_benchmark(args))
     result["benchmark_wall_s"] = round(time.perf_counter() - t0, 3)
+    result["contended"] = contended(result)
     out = args.out or default_out(args, result["device_type"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(summary_line(result))
-    busy = contended(result)
-    if busy:
-        print(f"warning: other processes used CPU during the {' and '.join(busy)} timing; figures are skewed "
-              "(see cpu.other_processes_cores in the JSON) - rerun on an idle machine")
-    result["contended"] = busy
+    if result["contended"]:
+        print(f"warning: other processes used CPU during the {', '.join(result['contended'])} timing; the figures "
+              "are skewed (see cpu.other_processes_cores in the JSON): rerun on an idle machine")
     print(f"wrote {out} ({result['benchmark_wall_s']:.1f} s)")
     return result
 

@@ -1,0 +1,135 @@
+"""`megapod up` end to end: 2 workers and 2 codec replicas as processes, driven through the
+front endpoint with the `openai` SDK and raw HTTP; a replica killed mid-stream; Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from processes import TINY_CACHE, scrape
+
+
+def _free_block(n: int) -> int:
+    """A base port with n free consecutive ports after it."""
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError("no free port block")
+
+
+@pytest.fixture(scope="module")
+def megapod(tmp_path_factory):
+    """`megapod up` with 2 workers and 2 replicas, exactly as a user runs it."""
+    logs = tmp_path_factory.mktemp("megapod-logs")
+    base = _free_block(8)
+    ports = {"front": base, "workers": base + 1, "snac": base + 3, "metrics": base + 5}
+    out = (logs / "up.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megapod", "up", "--workers", "2", "--replicas", "2",
+         "--front-port", str(ports["front"]), "--worker-base-port", str(ports["workers"]),
+         "--snac-base-port", str(ports["snac"]), "--snac-metrics-base-port", str(ports["metrics"]),
+         "--enforce-eager", "true", "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu",
+         "--max-streams-per-worker", "8"],
+        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MEGAPOD_LOG_DIR": str(logs), "HOME": os.environ.get("HOME", "/root")},
+    )
+    up_log = logs / "up.log"
+    deadline = time.monotonic() + 420
+    while "MegaPod ready" not in up_log.read_text():
+        assert proc.poll() is None, up_log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "megapod up never became ready"
+        time.sleep(1)
+    yield {"proc": proc, "log": up_log, "url": f"http://127.0.0.1:{ports['front']}", "ports": ports}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def _wav_samples(data: bytes) -> int:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        return len(w.readframes(10**9)) // 2
+
+
+def _frames(megapod) -> float:
+    return sum(scrape(megapod["ports"]["workers"] + i, "orpheus_frames_total") for i in range(2))
+
+
+def test_random_weights_are_announced_loudly(megapod):
+    assert "RANDOM WEIGHTS" in megapod["log"].read_text()
+
+
+async def test_concurrent_streams_spread_over_both_workers(megapod):
+    client = openai.AsyncOpenAI(base_url=f"{megapod['url']}/v1", api_key="unused", timeout=600)
+    before = _frames(megapod)
+
+    async def sdk(i):
+        async with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=f"Hello number {i}.", response_format="wav") as r:
+            return r.headers["x-megapod-worker"], await r.read()
+
+    async def raw(http, i):
+        r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Raw request {i}.", "voice": "tara"})
+        assert r.status_code == 200, r.text
+        return r.headers["x-megapod-worker"], r.content
+
+    async with httpx.AsyncClient(base_url=megapod["url"], timeout=600) as http:
+        results = await asyncio.gather(*(sdk(i) for i in range(3)), *(raw(http, i) for i in range(3)))
+    workers = {w for w, _ in results}
+    assert len(workers) == 2, f"streams all went to {workers}"
+    samples = sum(_wav_samples(data) for _, data in results)
+    assert samples == 2048 * (_frames(megapod) - before), "every generated frame arrives as audio"
+
+
+async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
+    before = _frames(megapod)
+    victims = [int(m) for m in re.findall(r"started snac-0 \(pid (\d+)\)", megapod["log"].read_text())]
+
+    async def stream(http, i):
+        r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Keep talking through the failure, stream {i}.", "voice": "leo"})
+        assert r.status_code == 200, r.text
+        return _wav_samples(r.content)
+
+    async def kill_soon():
+        await asyncio.sleep(4)
+        os.kill(victims[-1], signal.SIGKILL)
+
+    async with httpx.AsyncClient(base_url=megapod["url"], timeout=600) as http:
+        lengths, _ = await asyncio.gather(asyncio.gather(*(stream(http, i) for i in range(4))), kill_soon())
+    assert all(n > 0 and n % 2048 == 0 for n in lengths)
+    assert sum(lengths) == 2048 * (_frames(megapod) - before), "no audio lost across the replica's death"
+    deadline = time.monotonic() + 120
+    while not re.search(r"snac-0 ready", megapod["log"].read_text().split("died with exit code")[-1]):
+        assert time.monotonic() < deadline, "the dead replica was not restarted"
+        await asyncio.sleep(1)
+    assert "snac-0 (pid %d) died with exit code -9; restarting it" % victims[-1] in megapod["log"].read_text()
+
+
+def test_ctrl_c_stops_everything_within_20_s(megapod):
+    text = megapod["log"].read_text()
+    children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", text)]
+    megapod["proc"].send_signal(signal.SIGINT)
+    started = time.monotonic()
+    megapod["proc"].wait(25)
+    assert time.monotonic() - started < 20
+    assert megapod["proc"].returncode == 0
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
