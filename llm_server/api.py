@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from .audio_format import FORMATS, MEDIA_TYPES, STREAM_FORMATS, SAMPLE_BYTES, SAMPLE_RATE, sse_delta, sse_done, streaming_wav_header
+from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
 from .runtime import Runtime
 from .speech import SpeechJob, SpeechStream
@@ -93,6 +94,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
             await app.state.runtime.stop()
 
     app = FastAPI(title="Orpheus MegaPod", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -123,14 +123,20 @@ async def test_admission_cap_refuses_fast_with_retry_after(stack):
 
 
 def test_client_disconnect_aborts_the_engine_request(stack):
+    # One segment whose token budget (capped by --max-model-len 1024) is ~750 tokens: many
+    # seconds of generation on this CPU, so the client leaves long before it could finish.
     body = {"model": "tts-1", "input": "A long sentence that keeps the engine busy for quite a while. " * 4, "voice": "dan"}
+    tokens_before = scrape(stack["worker"].port, "orpheus_generated_tokens_total")
     with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
         next(r.iter_raw())  # audio is flowing
-        assert scrape(stack["worker"].port, "orpheus_engine_unfinished_requests") >= 1
+        assert scrape(stack["worker"].port, "orpheus_active_streams") == 1
     gone = time.perf_counter()
-    while scrape(stack["worker"].port, "orpheus_engine_unfinished_requests") > 0:
-        assert time.perf_counter() - gone < 1.0, "the engine still runs the request 1 s after the client left"
+    while (left := scrape(stack["worker"].port, "orpheus_engine_unfinished_requests")) > 0:
+        assert time.perf_counter() - gone < 1.0, f"the engine still holds {left} request(s) 1 s after the client left"
         time.sleep(0.05)
+    time.sleep(1.0)
+    generated = scrape(stack["worker"].port, "orpheus_generated_tokens_total") - tokens_before
+    assert generated < 700, f"{generated} tokens: the request ran to its budget instead of being aborted"
     assert scrape(stack["worker"].port, "orpheus_active_streams") == 0
 
 
@@ -155,6 +161,19 @@ def test_bad_requests_get_openai_shaped_errors(stack, body, status, param):
     assert r.status_code == status
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_oversized_bodies_are_refused_before_being_read(stack):
+    declared = httpx.post(f"{stack['url']}/v1/audio/speech", content=b"{" + b" " * 70_000 + b"}",
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "body_too_large"
+
+    def chunked():
+        for _ in range(100):
+            yield b" " * 1024
+
+    streamed = httpx.post(f"{stack['url']}/v1/audio/speech", content=chunked(), headers={"content-type": "application/json"}, timeout=30)
+    assert streamed.status_code == 413
 
 
 def test_malformed_json_is_a_400(stack):

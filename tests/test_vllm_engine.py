@@ -99,3 +99,37 @@ def test_trtllm_backend_refuses_clearly_without_tensorrt_llm():
     FrameMask(prompt)(0, logits, [prompt + [slot_range(0)[0], slot_range(1)[0]]], None, None)  # 2 generated: slot 2
     allowed = torch.isfinite(logits[0]).nonzero().flatten()
     assert allowed.min().item() == slot_range(2)[0] and allowed.max().item() == slot_range(2)[1] - 1
+
+
+class RecordingEngine:
+    """Test double around the real engine: records each request's prompt, delegates the rest."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompt_ids, sampling, request_id):
+        self.prompts.append(prompt_ids)
+        return self.engine.generate(prompt_ids, sampling, request_id)
+
+
+async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, snac_server):
+    from transformers import AutoTokenizer
+
+    from llm_server.codec_client import CodecClient, CodecClientConfig
+    from llm_server.metrics import LlmMetrics
+    from llm_server.speech import SpeechJob, SpeechPipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))
+    config = LlmServerConfig(cache_dir=TINY_CACHE, max_segment_chars=24, max_model_len=1024)
+    recorder = RecordingEngine(engine)
+    codec = CodecClient(CodecClientConfig(addresses=snac_server.address))
+    pipeline = SpeechPipeline(recorder, codec, tokenizer, config, LlmMetrics(engine.num_unfinished))
+    text = "First one here. Then the second. And a third at last."
+    stream = pipeline.start(SpeechJob("long-1", text, "tara", seed=3))
+    pcm = b"".join([chunk async for chunk in stream])
+    await codec.close()
+    spoken = [tokenizer.decode(p[2:-4]) for p in recorder.prompts]
+    assert spoken == ["tara: First one here.", "tara: Then the second.", "tara: And a third at last."]
+    assert len(pcm) > 0 and len(pcm) % (2048 * 2) == 0
+    assert len(pcm) // (2048 * 2) * 7 <= stream.generated_tokens, "every frame of every segment is audio"
