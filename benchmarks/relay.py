@@ -13,11 +13,12 @@ nothing in flight, and /proc gives the CPU seconds (user + system) each process 
 - codec: the snac-server process (the SNAC decode).
 
 Each is divided by the audio seconds the clients received (PCM bytes / (2 x 24000)) in the same
-window. An idle baseline (no request in flight) comes first, to show any fixed background cost. The relay's work is per token, frame and chunk, whatever the model, so its cost per
-audio second carries over to a real deployment; the engine's does not (the tiny model is far
-cheaper per token than Orpheus 3B, and on a GPU the engine's CPU is scheduling and kernel
-launch), so read the engine share as this machine's, not production's. With random weights the
-model never ends speech early: every request speaks its whole token budget.
+window. An idle baseline (no request in flight) comes first, to show any fixed background cost.
+The relay's work is per token, frame and chunk, whatever the model, so its cost per audio second
+carries over to a real deployment; the engine's does not (the tiny model is far cheaper per token
+than Orpheus 3B, and on a GPU the engine's CPU is scheduling and kernel launch), so read the
+engine share as this machine's, not production's. With random weights the model never ends
+speech early: every request speaks its whole token budget.
 
 Run from the repository root:
     PYTHONPATH=. .venv/bin/python benchmarks/relay.py --quick          # ~4 min on 2 CPU cores
@@ -277,7 +278,8 @@ def cpu_delta(roles: Roles, a: CpuSnapshot, b: CpuSnapshot) -> dict[str, Any]:
     return {
         "cpu_s": {k: round(v, 3) for k, v in parts.items()},
         "engine_cpu_s_by_process": {k: round(v, 3) for k, v in engine_by_title.items()},
-        "relay_cpu_s_by_thread": {k: round(v, 3) for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.005},
+        "relay_cpu_s_by_thread": {k: round(v, 3) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
+                                  if abs(v) >= 0.005},
     }
 
 
@@ -489,7 +491,8 @@ class Stack:
 async def measure(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     """Warm up once, measure the idle baseline, then run every level on the same servers."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-        warm = {"model": "orpheus", "input": args.texts[0], "voice": args.voice, "response_format": "pcm", "seed": BASE_SEED}
+        warm = {"model": "orpheus", "input": args.texts[0], "voice": args.voice, "response_format": "pcm",
+                "seed": BASE_SEED}
         reply = await client.post(f"{stack.url}/v1/audio/speech", json=warm)
         reply.raise_for_status()
     roles = Roles.discover(stack.llm.popen.pid, stack.snac.popen.pid)
@@ -517,8 +520,8 @@ async def idle_baseline(roles: Roles, seconds: float) -> dict[str, Any]:
     await asyncio.sleep(seconds)
     b = CpuSnapshot.take(roles)
     delta = cpu_delta(roles, a, b)
-    return {"wall_s": round(b.wall - a.wall, 3), "cores": {k: round(v / (b.wall - a.wall), 3) for k, v in delta["cpu_s"].items()},
-            **delta}
+    wall = b.wall - a.wall
+    return {"wall_s": round(wall, 3), "cores": {k: round(v / wall, 3) for k, v in delta["cpu_s"].items()}, **delta}
 
 
 def summary_line(r: dict[str, Any]) -> str:
@@ -528,8 +531,9 @@ def summary_line(r: dict[str, Any]) -> str:
             f"({r['audio_s_per_s']:.2f} audio-s/s, {r['audio_s_per_s_per_stream']:.2f} per stream); CPU-s per audio-s: "
             f"relay {_f(r['relay_cpu_s_per_audio_s'])}, engine {_f(r['engine_cpu_s_per_audio_s'])} "
             f"(engine share {_f(r['engine_share'])}), codec {_f(r['codec_cpu_s_per_audio_s'])}; "
-            f"relay {_f(r['relay_cpu_ms_per_frame'])} ms/frame, {r['relay_cpu_us_per_token']} us/token; TTFA p50/p95 {ttfa['p50']}/{ttfa['p95']} ms; "
-            f"{r['requests']} requests, {r['errors']} errors; other processes {r['cores']['other_processes']:.2f} cores")
+            f"relay {_f(r['relay_cpu_ms_per_frame'])} ms/frame, {r['relay_cpu_us_per_token']} us/token; "
+            f"TTFA p50/p95 {ttfa['p50']}/{ttfa['p95']} ms; {r['requests']} requests, {r['errors']} errors; "
+            f"other processes {r['cores']['other_processes']:.2f} cores")
 
 
 def _f(x: float | None) -> str:
@@ -550,7 +554,8 @@ def metadata(args: argparse.Namespace, stack: Stack, startup_s: float) -> dict[s
         "config": {
             "levels": args.levels, "issue_s": args.seconds, "drain_limit_s": args.drain_seconds, "quick": args.quick,
             "texts": list(args.texts), "voice": args.voice, "response_format": "pcm", "base_seed": BASE_SEED,
-            "codec_policy": args.codec_policy, "snac_server_args": stack.snac.args[2:], "llm_server_args": stack.llm.args[2:],
+            "codec_policy": args.codec_policy,
+            "snac_server_args": stack.snac.args[2:], "llm_server_args": stack.llm.args[2:],
         },
         "caveats": "2 shared CPU cores: other engineers' tests may run at the same time, so timings are noisy "
                    "(see levels[].cores.other_processes and `noisy`). The engine (vLLM CPU worker) and the codec "
@@ -567,7 +572,8 @@ def metadata(args: argparse.Namespace, stack: Stack, startup_s: float) -> dict[s
                       "has ended after --seconds; every CPU-second in it went into audio delivered in it",
             "audio_s": "PCM bytes the clients received in the window / (2 bytes x 24000 Hz)",
             "mean_in_flight": "sum of completed request durations / window wall: below the concurrency by the tail",
-            "audio_s_per_s_per_stream": "audio_s / sum of request durations: >= 1 means a stream keeps up with real time",
+            "audio_s_per_s_per_stream": "audio_s / sum of request durations: >= 1 means a stream keeps up "
+                                        "with real time",
             "engine_share": "engine CPU / (relay CPU + engine CPU)",
             "time_to_first_audio_ms": "client side: request sent to first PCM byte",
             "relay_cpu_us_per_token": "relay CPU / audio-code tokens the engine generated in the window "
@@ -594,8 +600,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = metadata(args, stack, startup_s)
         result.update(asyncio.run(measure(stack, args)))
     except BaseException:
-        print(f"server logs: {log_dir}\n--- llm-server ---\n{stack.llm.tail()}\n--- snac-server ---\n{stack.snac.tail()}",
-              file=sys.stderr)
+        print(f"server logs: {log_dir}\n--- llm-server ---\n{stack.llm.tail()}\n"
+              f"--- snac-server ---\n{stack.snac.tail()}", file=sys.stderr)
         args.keep_logs = True
         raise
     finally:

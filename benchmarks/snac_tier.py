@@ -313,11 +313,11 @@ class WindowCounter:
             return
         decode = runner.decode
 
-        def counted(rows):
+        def counted(rows, *args, **kwargs):
             self.rows += len(rows)
             self.window_frames += sum(runner.bucket_of(r) for r in rows)
             self.emitted_frames += sum(r.keep_end - r.keep_start for r in rows)
-            return decode(rows)
+            return decode(rows, *args, **kwargs)
 
         runner.decode = counted
         self.available = True
@@ -566,7 +566,6 @@ def common_fields(args: argparse.Namespace, config: SnacServerConfig, startup_s:
         "versions": versions(),
         "git_commit": git_commit(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else None,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "server_startup_s": round(startup_s, 3),
     }
@@ -643,6 +642,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = asyncio.run(run_benchmark(args))
     result["benchmark_wall_s"] = round(time.perf_counter() - t0, 3)
+    result["command"] = " ".join(["benchmarks/snac_tier.py", *(sys.argv[1:] if argv is None else argv)])
     result["contended"] = contended(result)
     out = args.out or default_out(args, result["device_type"])
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -159,9 +159,12 @@ async def _speech(runtime: Runtime, config: LlmServerConfig, body: SpeechBody, r
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
     runtime.metrics.time_to_first_audio.observe(time.perf_counter() - started)
     pcm = _serve_stream(runtime, stream, first, audio, request)
+    # Started here, not by the response: a started generator is always finalized, so the slot and
+    # the engine request come back even if the client is gone before the response is sent.
+    head = await anext(pcm)
     media = "text/event-stream" if body.stream_format == "sse" else MEDIA_TYPES[body.response_format]
     return StreamingResponse(
-        _encode(pcm, body.response_format, body.stream_format, stream),
+        _encode(head, pcm, body.response_format, body.stream_format, stream),
         media_type=media,
         headers={"X-Request-Id": stream.job.request_id, "Cache-Control": "no-store"},
     )
@@ -175,9 +178,8 @@ async def _serve_stream(
     watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     outcome = "disconnected"
     try:
-        if first:
-            runtime.metrics.audio_seconds.inc(len(first) / (SAMPLE_BYTES * SAMPLE_RATE))
-            yield first
+        runtime.metrics.audio_seconds.inc(len(first) / (SAMPLE_BYTES * SAMPLE_RATE))
+        yield first
         async for pcm in rest:
             runtime.metrics.audio_seconds.inc(len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE))
             yield pcm
@@ -206,14 +208,23 @@ async def _cancel_on_disconnect(request: Request, stream: SpeechStream) -> None:
             return
 
 
-async def _encode(pcm: AsyncIterator[bytes], response_format: str, stream_format: str, stream: SpeechStream) -> AsyncIterator[bytes]:
+async def _encode(
+    first: bytes, rest: AsyncIterator[bytes], response_format: str, stream_format: str, stream: SpeechStream
+) -> AsyncIterator[bytes]:
     """Wrap PCM as the client asked: raw, a streaming WAV, or SSE events."""
-    if stream_format == "sse":
-        async for chunk in pcm:
-            yield sse_delta(chunk)
-        yield sse_done(stream.prompt_tokens, stream.generated_tokens)
-        return
-    if response_format == "wav":
-        yield streaming_wav_header()
-    async for chunk in pcm:
-        yield chunk
+    try:
+        if stream_format == "sse":
+            if first:
+                yield sse_delta(first)
+            async for chunk in rest:
+                yield sse_delta(chunk)
+            yield sse_done(stream.prompt_tokens, stream.generated_tokens)
+            return
+        if response_format == "wav":
+            yield streaming_wav_header()
+        if first:
+            yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()

@@ -104,14 +104,26 @@ class MicroBatcher:
         started = time.perf_counter()
         for job in jobs:
             self._metrics.queue_wait.observe(started - job.enqueued)
+        published = [False] * len(jobs)
+
+        def publish(indices: list[int], pcms: list[np.ndarray]) -> None:
+            for i, pcm in zip(indices, pcms):
+                published[i] = True
+                _hand_back(jobs[i], pcm)
+
         try:
-            results: list = self._runner.decode([j.row for j in jobs])
+            self._runner.decode([j.row for j in jobs], publish)
         except Exception as exc:  # a model failure fails this batch's streams, not the server
             log.exception("decode step failed")
-            results = [exc] * len(jobs)
+            for job, done in zip(jobs, published):
+                if not done:
+                    _hand_back(job, exc)
         self._metrics.observe_step(len(jobs), sum(j.row.keep_end - j.row.keep_start for j in jobs), started)
-        for job, result in zip(jobs, results):
-            try:
-                job.loop.call_soon_threadsafe(_resolve, job.future, result)
-            except RuntimeError:  # that stream's event loop is closed
-                pass
+
+
+def _hand_back(job: DecodeJob, result: np.ndarray | BaseException) -> None:
+    """Resolve the job's future on its own event loop (thread-safe)."""
+    try:
+        job.loop.call_soon_threadsafe(_resolve, job.future, result)
+    except RuntimeError:  # that stream's event loop is closed
+        pass

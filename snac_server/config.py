@@ -30,6 +30,9 @@ class SnacServerConfig:
     dtype: str = "float32"
     max_batch: int = 32  # rows per decode step
     max_wait_ms: float = 5.0  # how long the first row of a step waits for company
+    # Frames (rows x window) per eager forward; a step's rows are split above it. On CPU a big
+    # forward's activations leave the cache and each frame costs more. 0: 48 on CPU, no cap on GPU.
+    max_step_frames: int = 0
     cuda_graphs: bool = True  # capture one graph per (batch, window) bucket on GPU
     window_buckets: tuple[int, ...] = (4, 8, 12, 16, 24)  # decode window lengths, in frames
     policy: str = "adaptive"  # default for sessions that do not choose
@@ -43,8 +46,8 @@ class SnacServerConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
         Policy(self.policy)  # raises ValueError naming the bad value
-        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_inflight_chunks < 1:
-            raise ValueError("max_batch and max_inflight_chunks must be >= 1, max_wait_ms >= 0")
+        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_inflight_chunks < 1 or self.max_step_frames < 0:
+            raise ValueError("max_batch and max_inflight_chunks must be >= 1, max_wait_ms and max_step_frames >= 0")
         if not self.window_buckets or min(self.window_buckets) < 4:
             raise ValueError("window_buckets needs at least one size, each >= 4 frames")
         if self.chunk_frames < 1 or self.chunk_frames + 2 * EXACT_CONTEXT > max(self.window_buckets):

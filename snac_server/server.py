@@ -68,7 +68,7 @@ def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
     """Load the model and wire every part; returns the server and its bound gRPC port."""
     metrics = SnacMetrics()
     decoder = build_decoder(config.model, config.resolved_device, config.dtype, config.max_batch)
-    runner = DecoderRunner(decoder, config.window_buckets, config.max_batch, config.cuda_graphs)
+    runner = DecoderRunner(decoder, config.window_buckets, config.max_batch, config.cuda_graphs, config.max_step_frames)
     batcher = MicroBatcher(runner, config.max_batch, config.max_wait_ms / 1000.0, metrics)
     service = CodecService(config, batcher, metrics)
     options = [
