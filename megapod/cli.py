@@ -1,4 +1,4 @@
-"""The `megapod` command: `up` runs a MegaPod on this machine, `say` speaks through one."""
+"""The `megapod` command: `up` runs a MegaPod here, `deploy` puts one on Kubernetes, `say` speaks through one."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _print_endpoints(config: MegaPodConfig) -> None:
         print(f"  worker     http://{config.host}:{port}", file=sys.stderr)
     for port in config.snac_ports():
         print(f"  snac       {config.host}:{port} (gRPC)", file=sys.stderr)
-    print(f'  try        megapod say "Hello there." --voice tara -o hello.wav\n', file=sys.stderr, flush=True)
+    print('  try        megapod say "Hello there." --voice tara -o hello.wav\n', file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megapod", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run a MegaPod on this machine (flags: megapod up --help)", add_help=False)
+    sub.add_parser("deploy", help="deploy a MegaPod to Kubernetes (flags: megapod deploy --help)", add_help=False)
     speak = sub.add_parser("say", help="speak text through a running endpoint")
     speak.add_argument("text")
     speak.add_argument("--voice", default="tara")
@@ -98,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     speak.add_argument("--seed", type=int, default=None)
     if argv and argv[0] == "up":
         asyncio.run(up(megapod_config_from_cli(argv[1:])))
+        return
+    if argv and argv[0] == "deploy":
+        from .deploy_cli import main as deploy_main  # the kubernetes client loads only when deploying
+
+        deploy_main(argv[1:])
         return
     args = parser.parse_args(argv)
     if args.command == "say":

