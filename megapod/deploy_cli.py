@@ -21,8 +21,10 @@ from pathlib import Path
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from snac_server.config import parse_value
+
 from .cluster import PROFILES, ClusterProfile
-from .deploy import DeployError, KubeApis, apply_all, deployments_of, endpoints, wait_for_rollouts
+from .deploy import DeployError, KubeApis, apply_all, deployments_of, describe, endpoints, wait_for_rollouts
 from .render import CHART, HelmRender, RenderError, dump_manifests, find_helm, kustomize, parse_manifests
 from .topology import MegaPodConfig
 
@@ -35,9 +37,11 @@ TOPOLOGY_FIELDS = (
 
 
 def _parse_bool(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-    return text.lower() in ("true", "1", "yes")
+    """A boolean flag read as `megapod up` and the servers read one (snac_server.config)."""
+    try:
+        return parse_value(bool, text)  # type: ignore[return-value]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         objects = render_objects(args, profile)
         if args.dry_run:
             sys.stdout.write(dump_manifests(objects))
-            kinds = ", ".join(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
+            kinds = ", ".join(describe(o) for o in objects)
             print(f"megapod deploy --dry-run: would apply {len(objects)} objects: {kinds}", file=sys.stderr)
             return
         deploy(KubeApis.from_kubeconfig(args.context), objects, args)

@@ -102,9 +102,9 @@ class HelmRender:
             return _run([helm, *self.args(Path(topology.name))])
 
 
-def kustomize(overlay: Path, kubectl: str | None = None) -> str:
+def kustomize(overlay: Path) -> str:
     """`kubectl kustomize OVERLAY`: the same MegaPod from the k8s/ tree."""
-    return _run([kubectl or find_kubectl(), "kustomize", str(overlay)])
+    return _run([find_kubectl(), "kustomize", str(overlay)])
 
 
 def parse_manifests(text: str) -> list[dict]:
@@ -122,18 +122,19 @@ def dump_manifests(objects: Sequence[dict]) -> str:
 
 def find_helm(explicit: str | None = None) -> str:
     """--helm, else the helm `make install` puts beside this interpreter, else helm on PATH."""
-    for candidate in (explicit, str(Path(sys.prefix) / "bin" / "helm"), shutil.which("helm")):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    raise RenderError("helm not found: run `make install` (deploy/tools/install_k8s_tools.py) or pass --helm PATH")
+    return _find_tool("helm", explicit, " or pass --helm PATH")
 
 
 def find_kubectl() -> str:
     """The kubectl `make install` puts beside this interpreter, else kubectl on PATH."""
-    for candidate in (str(Path(sys.prefix) / "bin" / "kubectl"), shutil.which("kubectl")):
+    return _find_tool("kubectl")
+
+
+def _find_tool(name: str, explicit: str | None = None, hint: str = "") -> str:
+    for candidate in (explicit, str(Path(sys.prefix) / "bin" / name), shutil.which(name)):
         if candidate and Path(candidate).is_file():
             return candidate
-    raise RenderError("kubectl not found: run `make install` (deploy/tools/install_k8s_tools.py)")
+    raise RenderError(f"{name} not found: run `make install` (deploy/tools/install_k8s_tools.py){hint}")
 
 
 def _run(argv: list[str]) -> str:

@@ -65,7 +65,8 @@ class SnacServerConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _parse_value(kind: object, text: str) -> object:
+def parse_value(kind: object, text: str) -> object:
+    """One flag or env value as the field type `kind` (also used by `megapod deploy`)."""
     if kind is bool:
         if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"not a boolean: {text!r}")
@@ -97,7 +98,7 @@ def config_from_args(cls: type, argv: Sequence[str] | None, env: Mapping[str, st
             text = env.get(f"{prefix}{f.name.upper()}")
         if text is not None:
             try:
-                values[f.name] = _parse_value(hints[f.name], text)
+                values[f.name] = parse_value(hints[f.name], text)
             except ValueError as exc:
                 parser.error(f"--{f.name.replace('_', '-')}: {exc}")
     try:

@@ -22,7 +22,7 @@ from .session import DecodeRow
 log = logging.getLogger(__name__)
 
 Publish = Callable[[list[int], list[np.ndarray]], None]
-CPU_STEP_FRAMES = 48  # measured: ~18-23 ms/frame at <= 48 frames a forward, ~34 ms at 192 (2-core EPYC)
+CPU_STEP_FRAMES = 48  # per frame, a 192-frame forward costs ~2x a 48-frame one on CPU: benchmarks/forward_cost.py
 
 
 def batch_ladder(max_batch: int) -> tuple[int, ...]:

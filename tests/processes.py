@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
 
@@ -106,5 +107,12 @@ def scrape(port: int, name: str) -> float:
     """Sum of a Prometheus metric's samples from a /metrics endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    samples = (line for line in text.splitlines() if line and not line.startswith("#"))
-    return sum(float(line.rsplit(" ", 1)[1]) for line in samples if line.split("{")[0].split(" ")[0] == name)
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
+def wait_metric_zero(port: int, name: str, within_s: float) -> float:
+    """Poll a metric until it reads 0 or `within_s` passes; returns the last reading."""
+    deadline = time.perf_counter() + within_s
+    while (value := scrape(port, name)) > 0 and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    return value

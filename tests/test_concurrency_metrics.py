@@ -23,7 +23,7 @@ sys.path.insert(0, str(BENCH))
 from concurrency_bench import metrics  # noqa: E402
 from concurrency_bench.corpus import load_corpus  # noqa: E402
 from concurrency_bench.levels import level_record, throughput  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LoadShape  # noqa: E402
+from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape  # noqa: E402
 from concurrency_bench.metrics import Counts, Targets, Timeline  # noqa: E402
 from concurrency_bench.search import Search  # noqa: E402
 
@@ -190,6 +190,17 @@ def test_search_stops_at_its_level_budget():
     assert s.order == [1, 2, 4] and s.n_max == 4 and not s.confirmed
 
 
+def test_idle_wait_reads_the_workers_gauges():
+    from concurrency_bench.stack import _gauge
+
+    page = ('# HELP orpheus_active_streams Speech streams being served\n# TYPE orpheus_active_streams gauge\n'
+            'orpheus_active_streams{worker="0"} 2.0\norpheus_active_streams{worker="1"} 1.0\n'
+            '# TYPE orpheus_active_streams_peak gauge\norpheus_active_streams_peak 9.0\n')
+    assert _gauge(page, "orpheus_active_streams") == 3.0  # labelled samples summed, the longer name not
+    assert math.isnan(_gauge(page, "orpheus_engine_unfinished_requests"))  # absent: never reads as idle
+    assert math.isnan(_gauge("<html>502 Bad Gateway</html>", "orpheus_active_streams"))
+
+
 # -- the load client against the trivial endpoint ---------------------------------------------------
 
 
@@ -221,7 +232,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _level(url: str, targets: Targets) -> dict:
+def _level(url: str, targets: Targets) -> tuple[dict, LevelRun]:
     corpus = load_corpus(kinds=("short",))
     shape = LoadShape(stagger_s=0.2, warmup_s=0.0, window_s=0.0, max_level_s=30.0, read_timeout_s=10.0)
     run = asyncio.run(Level(Endpoint("trivial", url), shape, targets, corpus, 3).run_level())
@@ -248,4 +259,3 @@ def test_level_fails_early_when_streams_run_dry(trivial_endpoint):
     assert record["ended_by"] == "failed early"
     assert any("not real time" in r for r in record["reasons"])
     assert record["wall_s"] < 1.5  # a 1 s request takes ~2 s at half speed: it did not wait for the end
-    assert math.isfinite(record["wall_s"])

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -251,8 +250,8 @@ def test_endpoints_name_the_speech_url_and_the_load_balancer(objects: list[dict]
 
 
 def test_deploy_applies_waits_and_prints_endpoints(objects: list[dict], capsys: pytest.CaptureFixture) -> None:
-    statuses = defaultdict(list, {"orpheus-megapod-llm": [ready("orpheus-megapod-llm", 7)],
-                                  "orpheus-megapod-snac": [ready("orpheus-megapod-snac", 3)]})
+    statuses = {"orpheus-megapod-llm": [ready("orpheus-megapod-llm", 7)],
+                "orpheus-megapod-snac": [ready("orpheus-megapod-snac", 3)]}
     apis = make_apis(statuses=statuses)
     args = deploy_cli.build_parser().parse_args([])
     deploy_cli.deploy(apis, objects, args)

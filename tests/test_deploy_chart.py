@@ -29,9 +29,10 @@ from llm_server.codec_client import channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.metrics import LlmMetrics
 from megapod.cluster import CPU, H100, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
-from megapod.deploy import CUSTOM_PLURALS, TYPED_KINDS
+from megapod.deploy import CUSTOM_PLURALS, TYPED_KINDS, client_model
 from megapod.render import (
-    CHART, KUSTOMIZE, REPO, HelmRender, RenderError, chart_values, find_helm, find_kubectl, parse_manifests,
+    CHART, KUBE_VERSION, KUSTOMIZE, REPO, HelmRender, RenderError, chart_values, find_helm, find_kubectl,
+    parse_manifests,
 )
 from megapod.topology import MegaPodConfig
 from snac_server.api import codec_pb2
@@ -39,7 +40,7 @@ from snac_server.config import SnacServerConfig, config_from_args
 
 # Kubernetes versions every object is validated against: the oldest the chart supports
 # (Chart.yaml kubeVersion) and the newest kubernetes-validate 1.37.0 has schemas for.
-KUBE_VERSIONS = ("1.31.0", "1.37.0")
+KUBE_VERSIONS = (KUBE_VERSION, "1.37.0")
 RELEASE = NAMESPACE = "orpheus-megapod"
 CODEC_SERVICE = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name
 GPU, MIG = "nvidia.com/gpu", "nvidia.com/mig-"
@@ -74,7 +75,7 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 @cache
 def helm_render(profile: str = "h100", sets: tuple[str, ...] = ()) -> list[dict]:
     """`helm template` with the chart's own values only (the profile's file), as a user would."""
-    argv = [helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", "1.31.0"]
+    argv = [helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
     if profile != "h100":
         argv += ["-f", str(CHART / PROFILES[profile].values_file)]
     for pair in sets:
@@ -189,8 +190,7 @@ def test_every_object_builds_the_kubernetes_clients_own_model(name: str) -> None
         key = (obj["apiVersion"], obj["kind"])
         assert key in TYPED_KINDS or key in CUSTOM_PLURALS, f"megapod deploy cannot apply {key}"
         if key in TYPED_KINDS:
-            model = getattr(k8s, obj["apiVersion"].split("/")[-1].capitalize() + obj["kind"])
-            assert api.sanitize_for_serialization(model.from_dict(obj)) == obj
+            assert api.sanitize_for_serialization(client_model(obj).from_dict(obj)) == obj
 
 
 def test_schema_refuses_unknown_server_settings() -> None:
@@ -449,6 +449,13 @@ def test_disruption_budgets_take_one_pod_of_a_tier_at_a_time(render: str) -> Non
         assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
+def test_disruption_budgets_follow_the_deployments_truncated_names() -> None:
+    objects = helm_render("h100", ("fullnameOverride=" + "x" * 63,))
+    for deployment in (o for o in objects if o["kind"] == "Deployment"):
+        assert len(deployment["metadata"]["name"]) <= 63
+        find(objects, "PodDisruptionBudget", deployment["metadata"]["name"])
+
+
 @pytest.mark.parametrize("render", list(RENDERS))
 def test_rollouts_drain_streams_and_never_surge(render: str) -> None:
     objects = RENDERS[render]()
@@ -507,6 +514,7 @@ def test_model_from_a_volume_claim() -> None:
 # ---------------------------------------------------------------- kustomize agrees with Helm
 
 
+@cache
 def _load_render_k8s():
     spec = importlib.util.spec_from_file_location("render_k8s", REPO / "deploy" / "tools" / "render_k8s.py")
     module = importlib.util.module_from_spec(spec)

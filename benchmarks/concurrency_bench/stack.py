@@ -1,14 +1,15 @@
 """A local MegaPod started with `megapod up`, on free ports, and the CPU its processes use.
 
 The stack is the product's own launcher, started as a process with the flags given: what is
-measured is exactly what `megapod up` runs. Its processes are found through /proc (the
-launcher's children run in sessions of their own), both to account their CPU and to make sure
-none is left behind.
+measured is exactly what `megapod up` runs. Its processes are found through psutil's process
+tree (the launcher's children run in sessions of their own), both to account their CPU and to
+make sure none is left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -21,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
-from provenance import descendants
+from megapod.topology import MegaPodConfig, megapod_config_from_cli
+from provenance import machine_busy_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def free_block(count: int, avoid: set[int]) -> int:
@@ -57,26 +60,26 @@ class LocalStack:
     flags: list[str]
     log_dir: Path
     argv: list[str] = field(default_factory=list)
-    topology: dict = field(default_factory=dict)
+    config: MegaPodConfig | None = None  # what `argv` starts, as `megapod up` parses it
     popen: subprocess.Popen | None = None
-    pids: dict[int, int | None] = field(default_factory=dict)  # pid -> start time, everything seen under ours
+    procs: dict[int, psutil.Process] = field(default_factory=dict)  # everything seen under ours, by pid
     startup_s: float | None = None
 
     def plan(self, taken: set[int]) -> None:
         """Choose ports and build the command line; `taken` collects every port used."""
-        from megapod.topology import megapod_config_from_cli  # the benchmark's own flags parse the same way
-
-        probe = megapod_config_from_cli(self.flags)
+        probe = megapod_config_from_cli(self.flags)  # the benchmark's own flags parse the same way
         ports = {}
         for flag, count in (("--front-port", 1), ("--worker-base-port", probe.workers),
                             ("--snac-base-port", probe.replicas), ("--snac-metrics-base-port", probe.replicas)):
             ports[flag] = free_block(count, taken)
             taken.update(range(ports[flag], ports[flag] + count))
         flags = [*self.flags, *(x for kv in ports.items() for x in (kv[0], str(kv[1])))]
-        config = megapod_config_from_cli(flags)
+        self.config = megapod_config_from_cli(flags)
         self.argv = [sys.executable, "-m", "megapod", "up", *flags]
-        self.topology = {k: getattr(config, k) for k in config.__dataclass_fields__}
-        self.config = config
+
+    @property
+    def topology(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config)
 
     @property
     def url(self) -> str:
@@ -127,14 +130,17 @@ class LocalStack:
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
         if self.popen is not None and self.popen.poll() is None:
-            self.pids.setdefault(self.popen.pid, start_time(self.popen.pid))
-            for pid in descendants(self.popen.pid):
-                self.pids.setdefault(pid, start_time(pid))
+            try:
+                root = psutil.Process(self.popen.pid)
+                for proc in (root, *root.children(recursive=True)):
+                    self.procs.setdefault(proc.pid, proc)
+            except psutil.Error:
+                pass
 
     def cpu_seconds(self) -> float:
-        """CPU seconds used so far by the stack's live processes."""
+        """CPU seconds (user + system) used so far by the stack's live processes."""
         self.remember()
-        return sum(cpu_seconds(pid) for pid in self.pids)
+        return sum(_cpu_seconds(proc) for proc in self.procs.values())
 
     def gpus(self) -> int:
         """GPUs this stack uses. The local launcher pins no worker to a device, so all CUDA work shares one."""
@@ -154,12 +160,11 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
-        for pid, started in self.pids.items():
-            if started is not None and start_time(pid) == started:  # the same process, not a reused pid
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        for proc in self.procs.values():
+            try:
+                proc.kill()  # psutil refuses a pid reused by another process
+            except psutil.Error:
+                pass
 
     def tail(self, lines: int = 30) -> str:
         out = []
@@ -171,9 +176,11 @@ class LocalStack:
 
 
 def _gauge(text: str, name: str) -> float:
-    """Sum of a metric's samples in a Prometheus text page (nan when absent)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#") and line.split("{")[0].split(" ")[0] == name]
+    """Sum of a metric's samples in a Prometheus text page (nan when absent or not a metrics page)."""
+    try:
+        values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    except ValueError:
+        return float("nan")
     return sum(values) if values else float("nan")
 
 
@@ -193,33 +200,10 @@ def cpu_cores(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
             "other_processes": round(other / wall, 3)}
 
 
-
-# -- /proc -----------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> list[str]:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rindex(")") + 2:].split()
-
-
-def cpu_seconds(pid: int) -> float:
+def _cpu_seconds(proc: psutil.Process) -> float:
     """User + system CPU seconds of a live process; 0 when it is gone."""
     try:
-        fields = _stat(pid)
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, ValueError, IndexError):
+        t = proc.cpu_times()
+    except psutil.Error:
         return 0.0
-
-
-def start_time(pid: int) -> int | None:
-    try:
-        return int(_stat(pid)[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (all cores, all processes)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+    return t.user + t.system
