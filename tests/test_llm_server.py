@@ -132,7 +132,10 @@ def test_client_disconnect_aborts_the_engine_request(stack):
     tokens_before = scrape(stack["worker"].port, "orpheus_generated_tokens_total")
     with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        next(r.iter_raw())  # audio is flowing
+        # Keep the iterator: a dropped httpx iterator closes the connection at once, which is a
+        # disconnect racing the gauge read below.
+        audio = r.iter_raw()
+        next(audio)  # audio is flowing
         assert scrape(stack["worker"].port, "orpheus_active_streams") == 1
     left = wait_metric_zero(stack["worker"].port, "orpheus_engine_unfinished_requests", within_s=1.0)
     assert left == 0, f"the engine still holds {left} request(s) 1 s after the client left"
