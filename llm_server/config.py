@@ -45,11 +45,23 @@ class LlmServerConfig:
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
     codec_policy: str = "adaptive"
+    # A codec stream owed audio that gets none for this long fails over (a hung replica).
+    codec_stall_timeout_s: float = 10.0
+    # TLS to the codec tier: a CA file turns it on; cert+key add a client certificate.
+    codec_tls_ca: str = ""
+    codec_tls_cert: str = ""
+    codec_tls_key: str = ""
+    codec_tls_server_name: str = ""  # the name replicas' certificates carry, if not the address
     # Admission and input limits
     max_streams: int = 16
     max_input_chars: int = 4096
     max_segment_chars: int = 280
     max_body_bytes: int = 65536
+    # A client this many seconds of audio behind real time, while audio waits for it, is cut off.
+    max_client_lag_s: float = 30.0
+    # Security: API keys file (lines `name:key[:max_streams]`, re-read when it changes); empty: open.
+    api_keys_file: str = ""
+    log_input_text: bool = False  # request text stays out of logs unless asked for
     # Sampling defaults (the reference's; repetition penalty >= 1.1 keeps speech stable)
     temperature: float = 0.6
     top_p: float = 0.8
@@ -81,6 +93,12 @@ class LlmServerConfig:
             raise ValueError(f"voice aliases point at unknown voices: {sorted(unknown)}")
         if not 0 < self.top_p <= 1 or self.temperature < 0 or self.repetition_penalty < 1:
             raise ValueError("need 0 < top_p <= 1, temperature >= 0, repetition_penalty >= 1")
+        if self.max_client_lag_s <= 0 or self.codec_stall_timeout_s <= 0:
+            raise ValueError("max_client_lag_s and codec_stall_timeout_s must be > 0")
+        if bool(self.codec_tls_cert) != bool(self.codec_tls_key):
+            raise ValueError("codec_tls_cert and codec_tls_key go together")
+        if (self.codec_tls_cert or self.codec_tls_server_name) and not self.codec_tls_ca:
+            raise ValueError("codec_tls_cert and codec_tls_server_name need codec_tls_ca (TLS to the codec tier)")
 
     @property
     def voice_map(self) -> dict[str, str]:

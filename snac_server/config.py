@@ -41,6 +41,10 @@ class SnacServerConfig:
     max_streams: int = 1024  # more concurrent streams get RESOURCE_EXHAUSTED
     max_connection_age_s: float = 300.0  # clients reconnect, so new replicas get traffic
     grace_s: float = 30.0  # SIGTERM: how long in-flight streams may finish
+    # TLS: cert+key turn it on (re-read when the files change); a client CA also requires client certs.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,6 +52,10 @@ class SnacServerConfig:
         Policy(self.policy)  # raises ValueError naming the bad value
         if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_inflight_chunks < 1 or self.max_step_frames < 0:
             raise ValueError("max_batch and max_inflight_chunks must be >= 1, max_wait_ms and max_step_frames >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (client certificates need TLS)")
         if not self.window_buckets or min(self.window_buckets) < 4:
             raise ValueError("window_buckets needs at least one size, each >= 4 frames")
         if self.chunk_frames < 1 or self.chunk_frames + 2 * EXACT_CONTEXT > max(self.window_buckets):
