@@ -3,7 +3,9 @@
 The API objects (CoreV1Api, AppsV1Api, ...) come in through `KubeApis`, so the logic runs
 against the real client or against a test double that answers with the client's own models.
 Each object is created; one that already exists (409) is server-side applied instead, which
-takes over the fields this tool sets and leaves other managers' fields alone.
+takes over the fields this tool sets and leaves other managers' fields alone, except objects
+annotated `orpheus-megapod/keep-existing: "true"` (the chart's Helm-generated TLS Secret): those are
+created once and then kept, as Helm's own lookup keeps them, so a redeploy never swaps certificates.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from kubernetes.client.exceptions import ApiException
 
 FIELD_MANAGER = "megapod"
 APPLY_PATCH = "application/apply-patch+yaml"
+KEEP_EXISTING = "orpheus-megapod/keep-existing"
 # Dependencies first: the namespace, what pods mount or run as, then the workloads.
 APPLY_ORDER = (
-    "Namespace", "ServiceAccount", "Secret", "ConfigMap", "PersistentVolumeClaim", "Service",
+    "Namespace", "ServiceAccount", "Secret", "Certificate", "ConfigMap", "PersistentVolumeClaim", "Service",
     "NetworkPolicy", "PodDisruptionBudget", "Deployment", "HorizontalPodAutoscaler", "Ingress",
     "ServiceMonitor",
 )
@@ -38,7 +41,10 @@ TYPED_KINDS = {
     ("apps/v1", "Deployment"): ("apps", "deployment"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("autoscaling", "horizontal_pod_autoscaler"),
 }
-CUSTOM_PLURALS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors"}
+CUSTOM_PLURALS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("cert-manager.io/v1", "Certificate"): "certificates",
+}
 
 
 class DeployError(RuntimeError):
@@ -112,6 +118,8 @@ def _apply_typed(apis: KubeApis, obj: dict, namespace: str, group: str, suffix: 
     except ApiException as exc:
         if exc.status != 409:  # 409 Conflict: it exists already
             raise
+    if obj["metadata"].get("annotations", {}).get(KEEP_EXISTING) == "true":
+        return "kept (exists)"
     getattr(api, f"patch_{scope}{suffix}")(
         obj["metadata"]["name"], *where, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH
     )

@@ -7,7 +7,9 @@ a missing helm or kubectl fails these tests instead of skipping them.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import datetime as dt
 import importlib.util
 import json
 import math
@@ -15,28 +17,36 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import typing
+from concurrent import futures
 from functools import cache
 from pathlib import Path
 
+import grpc
 import kubernetes.client as k8s
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llm_server.api import create_app
 from llm_server.codec_client import channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.metrics import LlmMetrics
 from megapod.cluster import CPU, H100, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
-from megapod.deploy import CUSTOM_PLURALS, TYPED_KINDS, client_model
+from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (
     CHART, KUBE_VERSION, KUSTOMIZE, REPO, HelmRender, RenderError, chart_values, find_helm, find_kubectl,
     parse_manifests,
 )
 from megapod.topology import MegaPodConfig
 from snac_server.api import codec_pb2
+from snac_server.client import channel_credentials, tls_options
 from snac_server.config import SnacServerConfig, config_from_args
+from snac_server.server import server_credentials
 
 # Kubernetes versions every object is validated against: the oldest the chart supports
 # (Chart.yaml kubeVersion) and the newest kubernetes-validate 1.37.0 has schemas for.
@@ -158,14 +168,31 @@ def test_helm_lint_passes_strict(profile: str) -> None:
     assert "0 chart(s) failed" in done.stdout
 
 
-VALIDATED = [*RENDERS, "helm-h100-optional", "helm-cpu-optional", "helm-pvc-model"]
+TLS_EXISTING = ("codecTls.existingSecret=my-codec-certs", "codecTls.existingClientSecret=my-codec-client-certs")
+TLS_CERT_MANAGER = (
+    "codecTls.certManager.enabled=true", "codecTls.certManager.issuerRef.name=megapod-ca",
+    "codecTls.certManager.issuerRef.kind=ClusterIssuer",
+)
+TLS_OFF = ("codecTls.enabled=false",)
+API_KEYS = ("apiKeys.existingSecret=orpheus-api-keys", "apiKeys.key=keys.txt")
+# name -> (profile, --set pairs): the chart's optional features, alone and together.
+VARIANTS = {
+    "helm-h100-optional": ("h100", OPTIONAL_FEATURES),
+    "helm-cpu-optional": ("cpu", OPTIONAL_FEATURES),
+    "helm-pvc-model": ("h100", ("llm.model.source=pvc", "llm.model.pvc.claimName=orpheus-weights")),
+    "helm-h100-tls-existing": ("h100", TLS_EXISTING),
+    "helm-h100-cert-manager": ("h100", TLS_CERT_MANAGER),
+    "helm-h100-tls-off": ("h100", TLS_OFF),
+    "helm-h100-api-keys": ("h100", API_KEYS + ("codecTls.restartOnChange=true",)),
+    "helm-cpu-cert-manager-api-keys": ("cpu", TLS_CERT_MANAGER + API_KEYS),
+    "helm-cpu-tls-off-api-keys": ("cpu", TLS_OFF + API_KEYS),
+}
+VALIDATED = [*RENDERS, *VARIANTS]
 
 
 def rendered(name: str) -> list[dict]:
-    if name == "helm-pvc-model":
-        return helm_render("h100", ("llm.model.source=pvc", "llm.model.pvc.claimName=orpheus-weights"))
-    if name.endswith("-optional"):
-        return helm_render(name.split("-")[1], OPTIONAL_FEATURES)
+    if name in VARIANTS:
+        return helm_render(*VARIANTS[name])
     return RENDERS[name]()
 
 
@@ -177,8 +204,9 @@ def test_every_object_validates_against_the_kubernetes_schemas(name: str, versio
     for obj in objects:
         if obj not in custom:  # strict: an unknown field anywhere fails
             kubernetes_validate.validate(obj, version, strict=True)
-    # kubernetes-validate has no schema for CRD kinds; test_service_monitor asserts on them.
-    assert all(o["kind"] == "ServiceMonitor" for o in custom)
+    # kubernetes-validate has no schema for CRD kinds; test_service_monitor and
+    # test_codec_tls_from_cert_manager assert on them.
+    assert {o["kind"] for o in custom} <= {"ServiceMonitor", "Certificate"}
     assert len(objects) - len(custom) >= 8  # deployments, services, budgets, policy, account, ...
 
 
@@ -212,10 +240,15 @@ def _json_type(hint: object) -> str:
 
 @pytest.mark.parametrize(
     "tier, cls, set_elsewhere",
-    [("snac", SnacServerConfig, {"host"}), ("llm", LlmServerConfig, {"host", "model", "snac", "cache_dir"})],
+    [
+        ("snac", SnacServerConfig, {"host", "tls_cert", "tls_key", "tls_client_ca"}),
+        ("llm", LlmServerConfig, {"host", "model", "snac", "cache_dir", "api_keys_file", "codec_tls_ca",
+                                  "codec_tls_cert", "codec_tls_key", "codec_tls_server_name"}),
+    ],
 )
 def test_schema_server_settings_are_exactly_the_config_fields(tier: str, cls: type, set_elsewhere: set) -> None:
-    """Helm values map one-to-one onto the tier's config dataclass, with the dataclass's types."""
+    """Helm values map one-to-one onto the tier's config dataclass, with the dataclass's types;
+    the chart sets the rest itself (addresses, and the files it mounts from codecTls and apiKeys)."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     properties = schema["properties"][tier]["properties"]["server"]["properties"]
     hints = typing.get_type_hints(cls)
@@ -277,8 +310,19 @@ def test_profile_knobs_not_overridden_are_megapod_config_defaults() -> None:
 
 @pytest.mark.parametrize("profile", ["h100", "cpu"])
 def test_megapod_deploy_values_render_the_charts_defaults(profile: str) -> None:
-    """What `megapod deploy` renders (values from MegaPodConfig) equals the chart's own defaults."""
-    assert parse_manifests(HelmRender(PROFILES[profile]).run(helm())) == helm_render(profile)
+    """What `megapod deploy` renders (values from MegaPodConfig) equals the chart's own defaults
+    (but for the certificates Helm generates anew on every render)."""
+    ours = _without_generated_certs(parse_manifests(HelmRender(PROFILES[profile]).run(helm())))
+    assert ours == _without_generated_certs(helm_render(profile))
+
+
+def _without_generated_certs(objects: list[dict]) -> list[dict]:
+    out = json.loads(json.dumps(objects))
+    generated = [o for o in out if o["metadata"].get("annotations", {}).get(KEEP_EXISTING) == "true"]
+    assert [o["kind"] for o in generated] == ["Secret"]  # the codec TLS Secret, on by default
+    for secret in generated:
+        secret["data"] = sorted(secret["data"])
+    return out
 
 
 def test_megapod_config_changes_reach_the_pods() -> None:
@@ -303,10 +347,13 @@ def test_pods_run_the_same_servers_as_megapod_up(render: str) -> None:
     objects, pod = RENDERS[render](), profile_of(render).megapod
     snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
     snac_local = config_from_args(SnacServerConfig, pod.snac_args(0), {}, "SNAC_", "snac-server")
-    assert dataclasses.replace(snac_pod, host=snac_local.host) == snac_local
+    tls = {"tls_cert": snac_local.tls_cert, "tls_key": snac_local.tls_key, "tls_client_ca": snac_local.tls_client_ca}
+    assert dataclasses.replace(snac_pod, host=snac_local.host, **tls) == snac_local
     llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
     llm_local = config_from_args(LlmServerConfig, pod.worker_args(0), {}, "ORPHEUS_", "llm-server")
-    differ = {"host", "port", "snac", "cache_dir"}
+    # and the TLS and API key files, which only the cluster mounts (test_codec_tls_*)
+    differ = {"host", "port", "snac", "cache_dir", "api_keys_file", "codec_tls_ca", "codec_tls_cert", "codec_tls_key",
+              "codec_tls_server_name"}
     same = {f.name for f in dataclasses.fields(LlmServerConfig)} - differ
     assert {n: getattr(llm_pod, n) for n in same} == {n: getattr(llm_local, n) for n in same}
     assert (snac_pod.host, llm_pod.host) == ("0.0.0.0", "0.0.0.0")  # the servers' own default
@@ -378,9 +425,20 @@ def test_ports_and_probes_match_the_servers(render: str) -> None:
     grpc, metrics = port_named(codec, "grpc"), port_named(codec, "metrics")
     assert (grpc, metrics) == (SnacServerConfig().port, SnacServerConfig().metrics_port)
     assert (int(env(codec)["SNAC_PORT"]), int(env(codec)["SNAC_METRICS_PORT"])) == (grpc, metrics)
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container(codec)[probe]["grpc"]["port"] == grpc
-    assert container(codec)["readinessProbe"]["grpc"]["service"] == CODEC_SERVICE
+    targets = {probe: snac_probe_target(codec, probe) for probe in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert targets == {"startupProbe": (grpc, CODEC_SERVICE), "livenessProbe": (grpc, ""),
+                       "readinessProbe": (grpc, CODEC_SERVICE)}
+
+
+def snac_probe_target(deployment: dict, probe: str) -> tuple[int, str]:
+    """(port, grpc.health.v1 service) a SNAC probe checks: the kubelet's own grpc probe (plaintext),
+    or, with codec TLS on, the exec check over mutual TLS (test_snac_tls_probe_* runs it)."""
+    spec = container(deployment)[probe]
+    if "grpc" in spec:
+        return spec["grpc"]["port"], spec["grpc"].get("service", "")
+    command = spec["exec"]["command"]
+    assert command[:2] == ["python", "-c"] and float(command[4]) <= spec["timeoutSeconds"]
+    return int(env(deployment)["SNAC_PORT"]), command[3]
 
 
 @pytest.mark.parametrize("render", list(RENDERS))
@@ -511,6 +569,313 @@ def test_model_from_a_volume_claim() -> None:
     assert done.returncode != 0 and "claimName is required" in done.stderr
 
 
+# ---------------------------------------------------------------- codec TLS, API keys
+
+
+TLS_DIR = "/etc/orpheus-megapod/codec-tls"
+TLS_ENV = {  # the servers' variables -> the file each must name in the mount
+    "snac": {"SNAC_TLS_CERT": "tls.crt", "SNAC_TLS_KEY": "tls.key", "SNAC_TLS_CLIENT_CA": "ca.crt"},
+    "llm": {"ORPHEUS_CODEC_TLS_CERT": "tls.crt", "ORPHEUS_CODEC_TLS_KEY": "tls.key", "ORPHEUS_CODEC_TLS_CA": "ca.crt"},
+}
+
+
+def pod_spec(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def volume(deployment: dict, name: str) -> dict | None:
+    return next((v for v in pod_spec(deployment).get("volumes", []) if v["name"] == name), None)
+
+
+def mount(deployment: dict, name: str) -> dict | None:
+    return next((m for m in container(deployment).get("volumeMounts", []) if m["name"] == name), None)
+
+
+def server_name(deployment: dict, var: str) -> str:
+    return env(deployment)[var].replace("$(POD_NAMESPACE)", NAMESPACE)
+
+
+def generated_secret(objects: list[dict]) -> dict:
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    return secret
+
+
+def load_cert(pem: bytes) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(pem)
+
+
+def write_mount(objects: list[dict], deployment: dict, where: Path) -> dict[str, str]:
+    """Lay the codec-tls volume out as kubelet would (the generated Secret's keys, as the volume's
+    items name them) and return the pod's variables with their paths moved to `where`."""
+    data = generated_secret(objects)["data"]
+    where.mkdir()
+    for item in volume(deployment, "codec-tls")["secret"]["items"]:
+        (where / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+    values = {k: v.replace("$(POD_NAMESPACE)", NAMESPACE) for k, v in env(deployment).items() if v is not None}
+    return {k: v.replace(TLS_DIR, str(where)) for k, v in values.items()}
+
+
+@pytest.mark.parametrize("render", ["helm-h100", "helm-cpu", "kustomize-h100", "kustomize-cpu"])
+def test_codec_tls_is_on_by_default_with_client_certificates(render: str) -> None:
+    objects = RENDERS[render]()
+    names = {}
+    for deployment, tier in ((snac(objects), "snac"), (llm(objects), "llm")):
+        tls_mount, tls_volume = mount(deployment, "codec-tls"), volume(deployment, "codec-tls")
+        assert tls_mount == {"name": "codec-tls", "mountPath": TLS_DIR, "readOnly": True}  # no subPath
+        files = [item["path"] for item in tls_volume["secret"]["items"]]
+        assert sorted(files) == ["ca.crt", "tls.crt", "tls.key"] and tls_volume["secret"]["defaultMode"] == 0o440
+        for var, file in TLS_ENV[tier].items():
+            assert env(deployment)[var] == f"{TLS_DIR}/{file}"  # a file the volume puts there
+        names[tier] = tls_volume["secret"]["secretName"]
+    if render.startswith("helm"):
+        secret = generated_secret(objects)
+        assert names == {"snac": secret["metadata"]["name"], "llm": secret["metadata"]["name"]}
+        assert secret["metadata"]["annotations"][KEEP_EXISTING] == "true"  # megapod deploy keeps it
+        items = {t: {i["path"]: i["key"] for i in volume(d, "codec-tls")["secret"]["items"]}
+                 for t, d in (("snac", snac(objects)), ("llm", llm(objects)))}
+        assert items == {"snac": {"ca.crt": "ca.crt", "tls.crt": "server.crt", "tls.key": "server.key"},
+                         "llm": {"ca.crt": "ca.crt", "tls.crt": "client.crt", "tls.key": "client.key"}}
+    else:
+        assert set(names.values()) == {_load_render_k8s().BASE_TLS_SECRET}  # deploy/README.md creates it
+        assert not any(o["kind"] == "Secret" for o in objects)
+    # The name the workers check is the host they dial, and the name the replicas' probe checks.
+    dialed = env(llm(objects))["ORPHEUS_SNAC"].removeprefix("dns:///").rsplit(":", 1)[0]
+    assert env(llm(objects))["ORPHEUS_CODEC_TLS_SERVER_NAME"] == dialed == env(snac(objects))["CODEC_TLS_SERVER_NAME"]
+    # The servers' own loaders accept the variables (cert and key together, CA present).
+    snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
+    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
+    assert snac_pod.tls_client_ca and llm_pod.codec_tls_cert and not llm_pod.api_keys_file
+
+
+def test_generated_certificates_chain_to_the_ca_and_name_the_snac_service() -> None:
+    objects = helm_render("h100")
+    data = {k: base64.b64decode(v) for k, v in generated_secret(objects)["data"].items()}
+    assert sorted(data) == ["ca.crt", "client.crt", "client.key", "server.crt", "server.key"]  # no CA key
+    ca, server, client = (load_cert(data[k]) for k in ("ca.crt", "server.crt", "client.crt"))
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    for leaf in (server, client):
+        leaf.verify_directly_issued_by(ca)
+        assert leaf.not_valid_after_utc - leaf.not_valid_before_utc > dt.timedelta(days=365)
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    name = server_name(llm(objects), "ORPHEUS_CODEC_TLS_SERVER_NAME")
+    assert name == f"{RELEASE}-snac.{NAMESPACE}.svc.cluster.local" and name in sans
+    assert f"{RELEASE}-snac.{NAMESPACE}.svc" in sans
+    usages = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in usages and ExtendedKeyUsageOID.CLIENT_AUTH in usages  # the probe
+    assert ExtendedKeyUsageOID.CLIENT_AUTH in client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert data["server.key"] != data["client.key"]
+    # Another render (no cluster to look the Secret up in) generates other certificates.
+    again = generated_secret(helm_render("h100", ("codecTls.enabled=true",)))["data"]
+    assert again["ca.crt"] != generated_secret(objects)["data"]["ca.crt"]
+
+
+def _health_server(config: SnacServerConfig) -> tuple[grpc.Server, health.HealthServicer, int]:
+    servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(config))  # the snac-server's own TLS
+    server.start()
+    return server, servicer, port
+
+
+def _check(port: int, credentials: grpc.ChannelCredentials, name: str) -> int:
+    with grpc.secure_channel(f"127.0.0.1:{port}", credentials, tls_options(name)) as channel:
+        request = health_pb2.HealthCheckRequest(service=CODEC_SERVICE)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+def test_codec_tls_works_with_the_rendered_files_probes_and_names(tmp_path: Path) -> None:
+    """The generated certificates, laid out as the pods mount them, carry a mutual TLS handshake:
+    the snac-server's TLS (from the pod's variables) accepts the LLM worker's client (from its
+    variables) checking the rendered server name, refuses clients without a certificate, and the
+    replicas' exec probes report SERVING / NOT_SERVING over it."""
+    objects = helm_render("h100")
+    snac_env = write_mount(objects, snac(objects), tmp_path / "snac")
+    llm_env = write_mount(objects, llm(objects), tmp_path / "llm")
+    snac_config = config_from_args(SnacServerConfig, [], {k: v for k, v in snac_env.items() if k.startswith("SNAC_")},
+                                   "SNAC_", "snac-server")
+    worker = config_from_args(LlmServerConfig, [], {k: v for k, v in llm_env.items() if k.startswith("ORPHEUS_")},
+                              "ORPHEUS_", "llm-server")
+    server, servicer, port = _health_server(dataclasses.replace(snac_config, port=0))
+    try:
+        servicer.set(CODEC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        client = channel_credentials(worker.codec_tls_ca, worker.codec_tls_cert, worker.codec_tls_key)
+        assert _check(port, client, worker.codec_tls_server_name) == health_pb2.HealthCheckResponse.SERVING
+        for refused, name in ((channel_credentials(worker.codec_tls_ca), worker.codec_tls_server_name),
+                              (client, "someone-else.example.com")):
+            with pytest.raises(grpc.RpcError) as failed:
+                _check(port, refused, name)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        probe_env = {**os.environ, **snac_env, "SNAC_PORT": str(port)}
+
+        def probe(name: str) -> int:
+            command = container(snac(objects))[name]["exec"]["command"]
+            return subprocess.run([sys.executable, *command[1:]], env=probe_env, capture_output=True).returncode
+
+        assert [probe(p) for p in ("startupProbe", "livenessProbe", "readinessProbe")] == [0, 0, 0]
+        servicer.set(CODEC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # draining
+        assert (probe("readinessProbe"), probe("livenessProbe")) == (1, 0)
+    finally:
+        server.stop(None)
+
+
+def test_codec_tls_from_existing_secrets() -> None:
+    objects = helm_render("h100", TLS_EXISTING)
+    assert not any(o["kind"] in ("Secret", "Certificate") for o in objects)
+    for deployment, secret in ((snac(objects), "my-codec-certs"), (llm(objects), "my-codec-client-certs")):
+        items = volume(deployment, "codec-tls")["secret"]
+        assert items["secretName"] == secret
+        assert {i["key"]: i["path"] for i in items["items"]} == {"ca.crt": "ca.crt", "tls.crt": "tls.crt", "tls.key": "tls.key"}
+    single = helm_render("h100", ("codecTls.existingSecret=my-codec-certs",))  # one pair for both tiers
+    assert {volume(d, "codec-tls")["secret"]["secretName"] for d in (snac(single), llm(single))} == {"my-codec-certs"}
+    both = run(helm(), "template", RELEASE, str(CHART), "--set", TLS_EXISTING[0], "--set", TLS_CERT_MANAGER[0],
+               "--set", TLS_CERT_MANAGER[1])
+    assert both.returncode != 0 and "not both" in both.stderr
+
+
+def test_codec_tls_from_cert_manager() -> None:
+    """cert-manager's CRDs are not in kubernetes-validate: the Certificates' structure is checked here."""
+    objects = helm_render("h100", TLS_CERT_MANAGER)
+    assert not any(o["kind"] == "Secret" for o in objects)
+    certificates = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Certificate"}
+    assert len(certificates) == 2
+    for side, deployment in (("server", snac(objects)), ("client", llm(objects))):
+        certificate = certificates[f"{RELEASE}-codec-tls-{side}"]
+        assert certificate["apiVersion"] == "cert-manager.io/v1"
+        assert certificate["metadata"]["namespace"] == NAMESPACE
+        spec = certificate["spec"]
+        assert set(spec) <= {"secretName", "commonName", "dnsNames", "usages", "duration", "renewBefore",
+                             "privateKey", "issuerRef"}
+        assert spec["issuerRef"] == {"name": "megapod-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+        assert spec["secretName"] == volume(deployment, "codec-tls")["secret"]["secretName"]
+        assert "client auth" in spec["usages"]  # the LLM workers', and the replicas' own probe
+        assert spec["privateKey"]["rotationPolicy"] == "Always"
+    server = certificates[f"{RELEASE}-codec-tls-server"]["spec"]
+    assert "server auth" in server["usages"]
+    assert server_name(llm(objects), "ORPHEUS_CODEC_TLS_SERVER_NAME") in server["dnsNames"]
+    assert "dnsNames" not in certificates[f"{RELEASE}-codec-tls-client"]["spec"]
+    assert not any(o["kind"] == "Certificate" for o in helm_render("h100"))  # only when enabled
+    done = run(helm(), "template", RELEASE, str(CHART), "--set", TLS_CERT_MANAGER[0])
+    assert done.returncode != 0 and "issuerRef.name is required" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["helm-h100-tls-off", "helm-cpu-tls-off-api-keys"])
+def test_codec_tls_off_leaves_no_trace(name: str) -> None:
+    objects = rendered(name)
+    assert not any(o["kind"] in ("Secret", "Certificate") for o in objects)
+    for deployment in (snac(objects), llm(objects)):
+        assert volume(deployment, "codec-tls") is None and mount(deployment, "codec-tls") is None
+        assert not [k for k in env(deployment) if "TLS" in k]
+        assert "annotations" not in deployment["spec"]["template"]["metadata"]
+    assert snac_probe_target(snac(objects), "readinessProbe") == (port_named(snac(objects), "grpc"), CODEC_SERVICE)
+    assert "grpc" in container(snac(objects))["readinessProbe"]  # the kubelet's own probe again
+    snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
+    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
+    assert (snac_pod.tls_cert, llm_pod.codec_tls_ca) == ("", "")
+
+
+@pytest.mark.parametrize("name", ["helm-h100-api-keys", "helm-cpu-cert-manager-api-keys", "helm-cpu-tls-off-api-keys"])
+def test_api_keys_file_from_a_secret(name: str) -> None:
+    objects = rendered(name)
+    worker = llm(objects)
+    keys_mount = mount(worker, "api-keys")
+    assert keys_mount == {"name": "api-keys", "mountPath": "/etc/orpheus-megapod/api-keys", "readOnly": True}
+    secret = volume(worker, "api-keys")["secret"]
+    assert secret["secretName"] == "orpheus-api-keys" and secret["defaultMode"] == 0o440
+    (item,) = secret["items"]
+    assert item["key"] == "keys.txt"
+    assert env(worker)["ORPHEUS_API_KEYS_FILE"] == f"{keys_mount['mountPath']}/{item['path']}"
+    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(worker, "ORPHEUS_"), "ORPHEUS_", "llm-server")
+    assert llm_pod.api_keys_file == env(worker)["ORPHEUS_API_KEYS_FILE"]
+    assert volume(snac(objects), "api-keys") is None and "apiKeys" not in json.dumps(snac(objects))
+    assert not any(o["kind"] == "Secret" and o["metadata"]["name"] == "orpheus-api-keys" for o in objects)
+    for render in RENDERS:  # off by default
+        assert volume(llm(RENDERS[render]()), "api-keys") is None
+        assert "ORPHEUS_API_KEYS_FILE" not in env(llm(RENDERS[render]()))
+
+
+def test_pods_restart_on_certificate_changes_only_when_asked() -> None:
+    """The servers re-read their files, so by default nothing rolls the pods when certificates
+    change; codecTls.restartOnChange adds a checksum of the generated Secret to both pod templates."""
+    for render in RENDERS:
+        for deployment in (llm(RENDERS[render]()), snac(RENDERS[render]())):
+            assert "annotations" not in deployment["spec"]["template"]["metadata"]
+    objects = rendered("helm-h100-api-keys")
+    checksums = {d["spec"]["template"]["metadata"]["annotations"]["checksum/codec-tls"] for d in (llm(objects), snac(objects))}
+    (checksum,) = checksums
+    assert re.fullmatch(r"[0-9a-f]{64}", checksum)
+
+
+def test_no_secret_mount_uses_sub_path() -> None:
+    """kubelet updates Secret volumes in place only without subPath: rotation depends on it."""
+    for name in VALIDATED:
+        for deployment in (o for o in rendered(name) if o["kind"] == "Deployment"):
+            for c in pod_spec(deployment)["containers"] + pod_spec(deployment).get("initContainers", []):
+                assert not any("subPath" in m or "subPathExpr" in m for m in c.get("volumeMounts", [])), name
+
+
+# ---------------------------------------------------------------- hardening
+
+
+WRITABLE_VOLUME_KINDS = {"emptyDir", "persistentVolumeClaim"}
+
+
+@pytest.mark.parametrize("name", VALIDATED)
+def test_every_container_is_hardened(name: str) -> None:
+    """Every container of every pod (init containers included): non-root, no privilege escalation,
+    no capabilities, seccomp RuntimeDefault, read-only root; only emptyDir and claims writable."""
+    deployments = [o for o in rendered(name) if o["kind"] == "Deployment"]
+    assert len(deployments) == 2
+    for deployment in deployments:
+        spec = pod_spec(deployment)
+        assert spec["automountServiceAccountToken"] is False
+        assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC", "shareProcessNamespace"))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert not any("hostPath" in v for v in volumes.values())
+        pod_context = spec["securityContext"]
+        for c in spec["containers"] + spec.get("initContainers", []) + spec.get("ephemeralContainers", []):
+            context = {**pod_context, **c.get("securityContext", {})}  # container settings win
+            where = f"{name}: {deployment['metadata']['name']}/{c['name']}"
+            assert context.get("runAsNonRoot") is True, where
+            assert context.get("runAsUser", 0) != 0 and context.get("runAsGroup", 0) != 0, where
+            assert context.get("allowPrivilegeEscalation") is False, where
+            assert context.get("privileged", False) is False, where
+            assert context.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not context.get("capabilities", {}).get("add"), where
+            assert context.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+            assert context.get("readOnlyRootFilesystem") is True, where
+            for m in c.get("volumeMounts", []):
+                kind = next(k for k in volumes[m["name"]] if k != "name")
+                if not m.get("readOnly"):
+                    assert kind in WRITABLE_VOLUME_KINDS, f"{where}: {m['mountPath']} writable on a {kind}"
+                if kind in ("secret", "configMap", "projected"):
+                    assert m.get("readOnly") is True, f"{where}: {m['mountPath']}"
+            assert {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")} >= {"/tmp"}
+
+
+def _walk(node: object, path: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield f"{path}.{key}", key, value
+            yield from _walk(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("name", VALIDATED)
+def test_nothing_in_the_rendered_objects_runs_as_root(name: str) -> None:
+    for obj in rendered(name):
+        for path, key, value in _walk(obj):
+            where = f"{obj['kind']}/{obj['metadata']['name']}{path}"
+            assert not (key in ("runAsUser", "runAsGroup", "fsGroup") and value == 0), where
+            assert not (key == "runAsNonRoot" and value is not True), where
+            assert not (key in ("privileged", "allowPrivilegeEscalation", "hostNetwork", "hostPID") and value is True), where
+            assert key != "hostPath" and not path.endswith("capabilities.add"), where
+
+
 # ---------------------------------------------------------------- kustomize agrees with Helm
 
 
@@ -544,7 +909,9 @@ def _comparable(objects: list[dict]) -> dict:
 
 @pytest.mark.parametrize("profile", ["h100", "cpu"])
 def test_kustomize_overlay_equals_the_helm_profile(profile: str) -> None:
-    helm_objects, kustomize_objects = _comparable(helm_render(profile)), _comparable(kustomize_render(profile))
+    # k8s/base mounts an existing Secret (render_k8s.BASE_VALUES) where Helm would generate one.
+    helm_objects = _comparable(helm_render(profile, _load_render_k8s().BASE_VALUES))
+    kustomize_objects = _comparable(kustomize_render(profile))
     assert sorted(helm_objects) == sorted(kustomize_objects)
     for key, obj in helm_objects.items():
         assert kustomize_objects[key] == obj, f"{key} differs between helm and kustomize ({profile})"

@@ -96,6 +96,24 @@ def test_entrypoint_is_a_console_script_run_as_non_root(dockerfile: Path) -> Non
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_ends_as_the_charts_non_root_user(dockerfile: Path) -> None:
+    """The final stage's last USER is numeric (so the kubelet can verify runAsNonRoot), not root,
+    and the very uid:gid the chart runs the pods as; nothing after it switches back."""
+    import yaml
+
+    _, stages = parse(dockerfile)
+    instructions = stages[-1].lines
+    last_user = max(i for i, (ins, _) in enumerate(instructions) if ins == "USER")
+    user = instructions[last_user][1]
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER {user}: numeric uid:gid, not root"
+    values = yaml.safe_load((REPO / "deploy" / "helm" / "orpheus-megapod" / "values.yaml").read_text())
+    pod = values["podSecurityContext"]
+    assert user == f"{pod['runAsUser']}:{pod['runAsGroup']}" and pod["runAsNonRoot"] is True
+    after = [rest for ins, rest in instructions[last_user + 1:] if ins == "RUN"]
+    assert not any(re.search(r"\b(sudo|su|setuid|chmod [ug]\+s)\b", r) for r in after), after
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_final_stage_installs_no_build_tools(dockerfile: Path) -> None:
     _, stages = parse(dockerfile)
     for ins, rest in stages[-1].lines:

@@ -122,3 +122,135 @@ strategy:
     maxSurge: 0
     maxUnavailable: 1
 {{- end }}
+
+{{/* ------------------------------------------------------------------ codec TLS (mutual)
+
+Where the codec tier's certificates come from: "existing" (codecTls.existingSecret), "certManager"
+(Certificate resources), or "generated" (by Helm, kept across upgrades through lookup). */}}
+{{- define "megapod.codecTlsSource" -}}
+{{- $tls := .Values.codecTls }}
+{{- if and $tls.existingSecret $tls.certManager.enabled }}
+{{- fail "codecTls: set existingSecret or certManager.enabled, not both" }}
+{{- end }}
+{{- if $tls.existingSecret }}existing{{ else if $tls.certManager.enabled }}certManager{{ else }}generated{{ end }}
+{{- end }}
+
+{{- define "megapod.codecTlsSecretName" -}}{{ include "megapod.fullname" . | trunc 52 | trimSuffix "-" }}-codec-tls{{- end }}
+
+{{/* The name the LLM workers check in the SNAC replicas' certificates: the host of ORPHEUS_SNAC. */}}
+{{- define "megapod.codecTlsServerName" -}}
+{{- .Values.codecTls.serverName | default (printf "%s.$(POD_NAMESPACE).svc.%s" (include "megapod.snacName" .) .Values.clusterDomain) }}
+{{- end }}
+
+{{/* DNS names in the SNAC server certificate (generated or cert-manager). */}}
+{{- define "megapod.codecTlsDnsNames" -}}
+{{- $snac := include "megapod.snacName" . }}
+{{- $ns := .Release.Namespace }}
+{{- $names := list $snac (printf "%s.%s" $snac $ns) (printf "%s.%s.svc" $snac $ns) (printf "%s.%s.svc.%s" $snac $ns .Values.clusterDomain) }}
+{{- with .Values.codecTls.serverName }}{{ $names = append $names . }}{{ end }}
+{{- toJson ($names | uniq) }}
+{{- end }}
+
+{{/* The secret volume of one side: (dict "ctx" $ "side" "server"|"client"). The same three files,
+ca.crt, tls.crt and tls.key, whatever the source. No subPath anywhere: kubelet then replaces the
+files in place when the Secret changes, and the servers re-read them. */}}
+{{- define "megapod.codecTlsVolume" -}}
+{{- $ctx := .ctx }}
+{{- $tls := $ctx.Values.codecTls }}
+{{- $source := include "megapod.codecTlsSource" $ctx }}
+{{- $name := include "megapod.codecTlsSecretName" $ctx }}
+- name: codec-tls
+  secret:
+    {{- if eq $source "existing" }}
+    secretName: {{ if eq .side "client" }}{{ $tls.existingClientSecret | default $tls.existingSecret }}{{ else }}{{ $tls.existingSecret }}{{ end }}
+    {{- else if eq $source "certManager" }}
+    secretName: {{ printf "%s-%s" $name .side }}
+    {{- else }}
+    secretName: {{ $name }}
+    {{- end }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      {{- if eq $source "generated" }}
+      - {key: {{ .side }}.crt, path: tls.crt}
+      - {key: {{ .side }}.key, path: tls.key}
+      {{- else }}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      {{- end }}
+{{- end }}
+
+{{- define "megapod.codecTlsDir" -}}/etc/orpheus-megapod/codec-tls{{- end }}
+
+{{/* gRPC probe of the SNAC replicas over mutual TLS. The kubelet's own grpc probe speaks plaintext
+only, so with TLS on the pod checks itself: grpc.health.v1 on loopback, presenting its own
+certificate (ca.crt signs both sides) and checking the server name the LLM workers check.
+Arguments: the health service name and the deadline in seconds. */}}
+{{- define "megapod.snacTlsProbe" -}}
+import os, sys, grpc
+from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as hg
+e = os.environ
+r = lambda k: open(e[k], "rb").read()
+creds = grpc.ssl_channel_credentials(r("SNAC_TLS_CLIENT_CA"), r("SNAC_TLS_KEY"), r("SNAC_TLS_CERT"))
+opts = [("grpc.ssl_target_name_override", e["CODEC_TLS_SERVER_NAME"])]
+with grpc.secure_channel("127.0.0.1:" + e["SNAC_PORT"], creds, opts) as ch:
+    s = hg.HealthStub(ch).Check(h.HealthCheckRequest(service=sys.argv[1]), timeout=float(sys.argv[2])).status
+sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
+{{- end }}
+
+{{/* One SNAC probe: kubelet grpc without TLS, the exec check above with it.
+Call with (dict "ctx" $ "service" "..." "probe" $snac.probes.readiness). */}}
+{{- define "megapod.snacProbe" -}}
+{{- if .ctx.Values.codecTls.enabled }}
+exec:
+  command:
+    - python
+    - -c
+    - {{ include "megapod.snacTlsProbe" .ctx | toJson }}
+    - {{ .service | quote }}
+    - {{ .probe.timeoutSeconds | default 1 | quote }}
+{{- else }}
+grpc:
+  port: {{ .ctx.Values.snac.server.port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
+{{- end }}
+{{ toYaml .probe }}
+{{- end }}
+
+{{/* Pod annotation rolling both tiers when Helm-generated certificates change (opt-in: the servers
+re-read their files, so a restart is not needed). */}}
+{{- define "megapod.podAnnotations" -}}
+{{- if and .Values.codecTls.enabled .Values.codecTls.restartOnChange (eq (include "megapod.codecTlsSource" .) "generated") }}
+annotations:
+  checksum/codec-tls: {{ include "megapod.codecTlsData" . | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/* The generated Secret's data: the existing Secret's when there is one (lookup; `helm install`
+and `helm upgrade` keep the certificates), else a fresh CA and leaf certificates. `helm template`
+and dry runs cannot look up, so they print fresh ones every time. Rendered once per run. */}}
+{{- define "megapod.codecTlsData" -}}
+{{- if not (hasKey .Values.codecTls "_rendered") }}
+{{- $_ := set .Values.codecTls "_rendered" (include "megapod.codecTlsNewData" .) }}
+{{- end }}
+{{- get .Values.codecTls "_rendered" }}
+{{- end }}
+
+{{- define "megapod.codecTlsNewData" -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "megapod.codecTlsSecretName" .) }}
+{{- $keys := list "ca.crt" "server.crt" "server.key" "client.crt" "client.key" }}
+{{- $data := dict }}
+{{- if $existing }}
+{{- $data = pick ($existing.data | default dict) "ca.crt" "server.crt" "server.key" "client.crt" "client.key" }}
+{{- end }}
+{{- if ne (len $data) (len $keys) }}
+{{- $g := .Values.codecTls.generated }}
+{{- $ca := genCA (printf "%s codec CA" (include "megapod.fullname" .)) (int $g.caValidityDays) }}
+{{- $server := genSignedCert (include "megapod.snacName" .) nil (include "megapod.codecTlsDnsNames" . | fromJsonArray) (int $g.certValidityDays) $ca }}
+{{- $client := genSignedCert (include "megapod.llmName" .) nil (list (include "megapod.llmName" .)) (int $g.certValidityDays) $ca }}
+{{- $data = dict "ca.crt" ($ca.Cert | b64enc) "server.crt" ($server.Cert | b64enc) "server.key" ($server.Key | b64enc) "client.crt" ($client.Cert | b64enc) "client.key" ($client.Key | b64enc) }}
+{{- end }}
+{{- toYaml $data }}
+{{- end }}
