@@ -6,6 +6,13 @@ checking, so a draining replica (NOT_SERVING) gets no new streams. Failover is o
 stream keeps the frames whose audio has not arrived yet (plus 3 frames of context), and if
 its replica dies it reopens on another and resumes exactly where the audio stopped; the
 codec's noise depends only on (seed, position), so the audio is the same as undisturbed.
+
+A replica that hangs (stopped, wedged) rather than dies is caught twice: a stream owed audio
+that gets none for `stall_timeout_s` fails over as if the replica had died, and keepalive
+pings take a silent replica's connection down, so new streams stop being sent to it.
+
+TLS (`tls_ca`, optional client certificate) is read when the channel is built; when the files
+change, the next stream gets a new channel and the old one closes once its streams are done.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,7 +29,8 @@ import numpy as np
 
 from snac_server.api import codec_pb2, codec_pb2_grpc
 from snac_server.chunking import EXACT_CONTEXT
-from snac_server.client import END_REQUEST, frames_request
+from snac_server.client import END_REQUEST, channel_credentials, frames_request, tls_options
+from snac_server.config import SnacServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +38,11 @@ log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 _SERVICE = "megapod.codec.v1.SnacCodec"
+# A replica may wait for this many frames before it can emit a chunk (a chunk plus its right
+# context) when the client leaves chunk_frames to the server: the server's default limit.
+_SERVER_CHUNK_FRAMES = SnacServerConfig.chunk_frames
+# A channel replaced after a TLS file changed stays open this long for the streams still on it.
+_RETIRE_GRACE_S = 300.0
 
 
 class CodecError(RuntimeError):
@@ -53,8 +67,18 @@ class CodecClientConfig:
     policy: int = codec_pb2.POLICY_ADAPTIVE
     chunk_frames: int = 0  # 0: the codec server's default
     sample_format: int = codec_pb2.SAMPLE_FORMAT_S16LE
-    max_attempts: int = 4  # replicas tried per stream before giving up
+    # Failed calls in a row (no audio in between) before a stream gives up. A hung replica stays
+    # READY until keepalive notices (keepalive_s + keepalive_timeout_s), so a stream may stall
+    # on it, re-pick it and stall again before round robin drops it: 6 leaves room for that.
+    max_attempts: int = 6
     connect_timeout_s: float = 5.0
+    stall_timeout_s: float = 10.0  # owed audio, none for this long: the replica is hung
+    keepalive_s: float = 10.0  # ping each connection this often (server accepts >= 5 s)...
+    keepalive_timeout_s: float = 5.0  # ...and drop it when a ping goes unanswered this long
+    tls_ca: str = ""  # CA file: TLS on (plaintext without it)
+    tls_cert: str = ""  # client certificate and key, for replicas that require one
+    tls_key: str = ""
+    tls_server_name: str = ""  # the name in the replicas' certificates, if not the address
 
 
 class CodecClient:
@@ -62,19 +86,21 @@ class CodecClient:
 
     def __init__(self, config: CodecClientConfig) -> None:
         self.config = config
-        service_config = {
-            "loadBalancingConfig": [{"round_robin": {}}],
-            "healthCheckConfig": {"serviceName": _SERVICE},
-        }
-        self._channel = grpc.aio.insecure_channel(
-            channel_target(config.addresses),
-            options=[("grpc.service_config", json.dumps(service_config)), ("grpc.enable_retries", 0)],
-        )
+        self._tls_stamp = self._read_tls_stamp()
+        self._channel = self._connect()
         self._stub = codec_pb2_grpc.SnacCodecStub(self._channel)
+        self._retiring: set[asyncio.Task] = set()
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
-        return CodecStream(self._stub, self.config, seed, stream_id)
+        return CodecStream(self.current_stub, self.config, seed, stream_id)
+
+    def current_stub(self) -> codec_pb2_grpc.SnacCodecStub:
+        """The stub every new call uses; a changed TLS file first swaps in a new channel."""
+        stamp = self._read_tls_stamp()
+        if stamp != self._tls_stamp:
+            self._rotate(stamp)
+        return self._stub
 
     async def ready(self, timeout_s: float = 1.0) -> bool:
         """True when at least one replica accepts connections and reports SERVING."""
@@ -89,7 +115,54 @@ class CodecClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        for task in self._retiring:
+            task.cancel()
         await self._channel.close()
+
+    def _connect(self) -> grpc.aio.Channel:
+        """One channel over every replica: round robin, health checked, keepalive pinged."""
+        c = self.config
+        service_config = {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "healthCheckConfig": {"serviceName": _SERVICE},
+        }
+        options = [
+            ("grpc.service_config", json.dumps(service_config)),
+            ("grpc.enable_retries", 0),
+            ("grpc.keepalive_time_ms", int(c.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(c.keepalive_timeout_s * 1000)),
+            # A keepalive ping that joins one already in flight (flow-control probes) is timed by
+            # this instead, 60 s by default: measured, a hung replica then stayed READY a minute.
+            ("grpc.http2.ping_timeout_ms", int(c.keepalive_timeout_s * 1000)),
+            # Keep pinging while a stream sends nothing: an idle stream's replica may hang too.
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        target = channel_target(c.addresses)
+        if not c.tls_ca:
+            return grpc.aio.insecure_channel(target, options=options)
+        credentials = channel_credentials(c.tls_ca, c.tls_cert, c.tls_key)
+        return grpc.aio.secure_channel(target, credentials, options=options + tls_options(c.tls_server_name))
+
+    def _read_tls_stamp(self) -> tuple[int, ...]:
+        paths = (self.config.tls_ca, self.config.tls_cert, self.config.tls_key)
+        try:
+            return tuple(os.stat(p).st_mtime_ns for p in paths if p)
+        except OSError:
+            return self._tls_stamp  # a file missing mid-rotation: keep the channel we have
+
+    def _rotate(self, stamp: tuple[int, ...]) -> None:
+        """New connections use the new files; streams on the old channel finish (or fail over)."""
+        try:
+            channel = self._connect()
+        except OSError as exc:
+            log.warning("codec TLS files not reloaded: %s", exc)
+            return
+        old, self._channel, self._tls_stamp = self._channel, channel, stamp
+        self._stub = codec_pb2_grpc.SnacCodecStub(channel)
+        task = asyncio.get_running_loop().create_task(old.close(grace=_RETIRE_GRACE_S))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        log.info("codec TLS files changed: new channel")
 
 
 @dataclass(frozen=True)
@@ -105,8 +178,10 @@ class AudioChunk:
 class CodecStream:
     """One TTS stream's audio: resumable across replica failures, every frame exactly once."""
 
-    def __init__(self, stub: codec_pb2_grpc.SnacCodecStub, config: CodecClientConfig, seed: int, stream_id: str) -> None:
-        self._stub = stub
+    def __init__(
+        self, stub: Callable[[], codec_pb2_grpc.SnacCodecStub], config: CodecClientConfig, seed: int, stream_id: str
+    ) -> None:
+        self._stub = stub  # called per call, so a failover uses the client's newest channel
         self._config = config
         self._seed = seed
         self._stream_id = stream_id
@@ -115,14 +190,20 @@ class CodecStream:
         self._delivered = 0  # next frame whose audio is still owed
         self._ended = False
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._reading: asyncio.Future | None = None  # the pending call.read(), kept across stall checks
         self._lock = asyncio.Lock()  # one writer at a time: resends must not interleave new frames
         self._cancelled = False
+        # Frames past the last delivered one beyond which any policy has a chunk to decode.
+        self._owed_frames = (config.chunk_frames or _SERVER_CHUNK_FRAMES) + EXACT_CONTEXT
+        self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
 
     async def send(self, frames: np.ndarray) -> None:
         """Queue frames (n, 7) for decoding; a dead replica is noticed and replaced by chunks()."""
         async with self._lock:
+            was_owed = self._owed()
             self._frames = np.concatenate([self._frames, frames.astype(np.int64)])
+            self._start_stall_clock(was_owed)
             if self._call is None:
                 await self._open()
             else:
@@ -131,7 +212,9 @@ class CodecStream:
     async def end(self) -> None:
         """No more frames: the codec flushes the tail."""
         async with self._lock:
+            was_owed = self._owed()
             self._ended = True
+            self._start_stall_clock(was_owed)
             if self._call is None:
                 await self._open()
             else:
@@ -148,16 +231,14 @@ class CodecStream:
                 await asyncio.sleep(0.005)  # nothing sent yet
                 continue
             call = self._call
-            try:
-                message = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                message = exc
+            message = await self._next_message(call)
             if message is grpc.aio.EOF:
                 message = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "stream ended before its final chunk")
             if isinstance(message, grpc.aio.AioRpcError):
                 attempts = await self._failover(call, message, attempts)
                 continue
             chunk = self._accept(message)
+            attempts = 1  # audio arrived: only failures in a row use up the attempts
             if chunk is not None:
                 yield chunk
                 if chunk.final:
@@ -174,8 +255,52 @@ class CodecStream:
         if message.first_frame != self._delivered:
             raise CodecError(f"codec sent frame {message.first_frame}, expected {self._delivered}")
         self._delivered += message.num_frames
+        self._stall_clock = asyncio.get_running_loop().time()
         self._trim()
         return AudioChunk(message.first_frame, message.num_frames, message.pcm, message.final)
+
+    async def _next_message(self, call: grpc.aio.StreamStreamCall) -> object:
+        """The call's next message, EOF or error; DEADLINE_EXCEEDED if a replica owing audio goes quiet.
+
+        The read is waited on, not wrapped in a timeout: cancelling it would cancel the call, and a
+        stream that is merely idle (the LLM has sent too little for a chunk) must keep its call.
+        """
+        loop = asyncio.get_running_loop()
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(call.read())
+        reading = self._reading
+        while not reading.done():
+            # Not owed: look again after a timeout's worth, since a send() may have started the clock.
+            left = self._stall_clock + self._config.stall_timeout_s - loop.time() if self._owed() else None
+            if left is not None and left <= 0:
+                reading.cancel()  # cancels the call too
+                self._reading = None
+                return grpc.aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, None, None,
+                    f"no audio for {self._config.stall_timeout_s:.1f} s while owed frames from {self._delivered}",
+                )
+            try:
+                await asyncio.wait({reading}, timeout=self._config.stall_timeout_s if left is None else left)
+            except asyncio.CancelledError:
+                reading.cancel()  # our reader went away: so does the call, as with a plain read()
+                raise
+        self._reading = None
+        if reading.cancelled():
+            return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, None, None, "read cancelled")
+        try:
+            return reading.result()
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+    def _owed(self) -> bool:
+        """Whether the replica should be producing audio: end sent, or frames enough for a chunk."""
+        sent = self._frames_start + len(self._frames)
+        return self._ended or sent - self._delivered >= self._owed_frames
+
+    def _start_stall_clock(self, was_owed: bool) -> None:
+        """The wait for audio starts when the stream becomes owed, not while it was idle."""
+        if not was_owed and self._owed():
+            self._stall_clock = asyncio.get_running_loop().time()
 
     async def _failover(self, call: grpc.aio.StreamStreamCall, error: grpc.aio.AioRpcError, attempts: int) -> int:
         if self._cancelled:
@@ -198,7 +323,8 @@ class CodecStream:
             sample_format=self._config.sample_format,
             first_frame=first, emit_from_frame=self._delivered, stream_id=self._stream_id,
         )
-        self._call = self._stub.Decode(wait_for_ready=True)
+        self._call = self._stub().Decode(wait_for_ready=True)
+        self._stall_clock = asyncio.get_running_loop().time()  # a new replica gets a full timeout
         await self._write(codec_pb2.DecodeRequest(header=header))
         pending = self._frames[first - self._frames_start :]
         if len(pending):

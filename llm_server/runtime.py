@@ -25,6 +25,19 @@ _CODEC_POLICIES = {
 }
 
 
+def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
+    """The worker's settings for its codec client: replicas, policy, stall deadline, TLS."""
+    return CodecClientConfig(
+        addresses=config.snac,
+        policy=_CODEC_POLICIES[config.codec_policy],
+        stall_timeout_s=config.codec_stall_timeout_s,
+        tls_ca=config.codec_tls_ca,
+        tls_cert=config.codec_tls_cert,
+        tls_key=config.codec_tls_key,
+        tls_server_name=config.codec_tls_server_name,
+    )
+
+
 def build_engine(config: LlmServerConfig, model_dir: str) -> Engine:
     """The configured backend over a resolved model directory (or Hub id)."""
     if config.backend == "trtllm":
@@ -57,10 +70,13 @@ class Runtime:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         engine = build_engine(config, model_dir)
         await engine.start()
-        codec = CodecClient(CodecClientConfig(addresses=config.snac, policy=_CODEC_POLICIES[config.codec_policy]))
+        codec = CodecClient(codec_client_config(config))
         metrics = LlmMetrics(engine.num_unfinished)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics)
-        log.info("worker ready: model %s (%s backend), codec at %s", config.model, config.backend, config.snac)
+        log.info(
+            "worker ready: model %s (%s backend), codec at %s%s",
+            config.model, config.backend, config.snac, " over TLS" if config.codec_tls_ca else "",
+        )
         return cls(config, engine, codec, tokenizer, pipeline, AdmissionController(config.max_streams), metrics)
 
     async def readiness_problems(self) -> list[str]:

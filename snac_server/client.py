@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -73,6 +74,21 @@ async def decode(
     return out
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel to a codec server (loopback and in-cluster use)."""
-    return grpc.aio.insecure_channel(address)
+def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """TLS trusting the CA file `ca`; `cert` and `key` add a client certificate (read now, once)."""
+    client_pair = (Path(key).read_bytes(), Path(cert).read_bytes()) if cert else (None, None)
+    return grpc.ssl_channel_credentials(Path(ca).read_bytes(), *client_pair)
+
+
+def tls_options(server_name: str) -> list[tuple[str, str]]:
+    """Channel options checking the server's certificate against `server_name` instead of the address."""
+    return [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+
+def channel(
+    address: str, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", server_name: str = ""
+) -> grpc.aio.Channel:
+    """A channel to a codec server: plaintext (loopback, tests) unless a CA file is given."""
+    if not tls_ca:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), tls_options(server_name))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -64,6 +66,48 @@ class SnacServer:
             self.metrics_http.server_close()
 
 
+class CertFiles:
+    """grpcio's certificate fetcher over the configured TLS files, re-read when one changes.
+
+    grpcio calls it before each new connection's handshake; it answers None (keep the current
+    certificates) unless a file's mtime moved, so rotating the files (cert-manager, a Secret
+    update) needs no restart: new connections get the new certificates, open ones keep theirs.
+    """
+
+    def __init__(self, config: SnacServerConfig) -> None:
+        self._paths = [p for p in (config.tls_cert, config.tls_key, config.tls_client_ca) if p]
+        self._config = config
+        self._stamp: tuple[int, ...] = ()
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        """The files as they are now (raises if they cannot be read)."""
+        stamp = tuple(os.stat(p).st_mtime_ns for p in self._paths)
+        c = self._config
+        pair = (Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())
+        client_ca = Path(c.tls_client_ca).read_bytes() if c.tls_client_ca else None
+        self._stamp = stamp
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=client_ca)
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            if tuple(os.stat(p).st_mtime_ns for p in self._paths) == self._stamp:
+                return None
+            fresh = self.load()
+        except OSError as exc:  # mid-rotation (a file missing): keep serving the old certificates
+            log.warning("TLS files not reloaded: %s", exc)
+            return None
+        log.info("TLS certificates reloaded from %s", ", ".join(self._paths))
+        return fresh
+
+
+def server_credentials(config: SnacServerConfig) -> grpc.ServerCredentials:
+    """TLS from the configured files; with a client CA, clients must present a certificate it signed."""
+    files = CertFiles(config)
+    return grpc.dynamic_ssl_server_credentials(
+        files.load(), files, require_client_authentication=bool(config.tls_client_ca)
+    )
+
+
 def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
     """Load the model and wire every part; returns the server and its bound gRPC port."""
     metrics = SnacMetrics()
@@ -75,7 +119,9 @@ def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
         ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
         ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)),
         ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Clients ping every 10 s to notice a hung replica; accept down to 5 s so timer jitter
+        # never counts as ping abuse (which would get their connection closed).
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
     ]
     server = grpc.aio.server(options=options)
@@ -83,10 +129,20 @@ def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert:
+        port = server.add_secure_port(address, server_credentials(config))
+    else:
+        port = server.add_insecure_port(address)  # loopback and trusted networks: the default
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     return SnacServer(config, server, batcher, service, health_servicer, metrics), port
+
+
+def _tls_mode(config: SnacServerConfig) -> str:
+    if not config.tls_cert:
+        return " (plaintext)"
+    return " (TLS, client certificates required)" if config.tls_client_ca else " (TLS)"
 
 
 async def serve(config: SnacServerConfig) -> None:
@@ -94,8 +150,8 @@ async def serve(config: SnacServerConfig) -> None:
     server, port = build_server(config)
     await server.start()
     log.info(
-        "snac-server on %s:%d (model %s, device %s, dtype %s), metrics on :%s",
-        config.host, port, config.model, config.resolved_device, config.dtype, server.metrics_port,
+        "snac-server on %s:%d%s (model %s, device %s, dtype %s), metrics on :%s",
+        config.host, port, _tls_mode(config), config.model, config.resolved_device, config.dtype, server.metrics_port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

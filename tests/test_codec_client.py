@@ -9,6 +9,8 @@ import pytest_asyncio
 
 from conftest import random_frames, server_config
 from llm_server.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
+from llm_server.config import LlmServerConfig
+from llm_server.runtime import codec_client_config
 from snac_server.api import codec_pb2
 from snac_server.server import build_server
 
@@ -56,6 +58,18 @@ def test_targets():
     assert channel_target("127.0.0.1:1,localhost:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
     assert channel_target("snac-headless.megapod.svc:50051") == "dns:///snac-headless.megapod.svc:50051"
     assert channel_target("dns:///x:1") == "dns:///x:1"
+
+
+def test_worker_settings_reach_the_codec_client():
+    config = codec_client_config(LlmServerConfig(
+        snac="a:1,b:2", codec_stall_timeout_s=3.5, codec_tls_ca="ca.pem", codec_tls_cert="c.pem",
+        codec_tls_key="k.pem", codec_tls_server_name="snac.test",
+    ))
+    assert (config.addresses, config.stall_timeout_s) == ("a:1,b:2", 3.5)
+    assert (config.tls_ca, config.tls_cert, config.tls_key, config.tls_server_name) == (
+        "ca.pem", "c.pem", "k.pem", "snac.test"
+    )
+    assert not CodecClientConfig().tls_ca  # plaintext unless configured (loopback default)
 
 
 async def test_streams_spread_over_both_replicas(replicas):

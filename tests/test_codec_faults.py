@@ -1,0 +1,142 @@
+"""The codec client against replicas that hang (SIGSTOP) instead of dying, as real processes.
+
+A hung replica keeps its connections open and never answers, so only deadlines notice it:
+the stream's stall timeout (owed audio, none arriving) and the channel's keepalive pings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+from conftest import random_frames
+from processes import hang, scrape, snac_process, unhang, wait_metric_zero, wait_snac_serving
+
+from llm_server.codec_client import CodecClient, CodecClientConfig
+from snac_server.api import codec_pb2
+
+# Long enough that a healthy replica on a busy 2-core CI machine (about 1 s per chunk with
+# four streams) never trips it; far shorter than keepalive's 10 s + 5 s.
+STALL_S = 4.0
+CHUNK = 4  # exact policy: a replica owes a chunk once CHUNK + 3 frames past the audio are in
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two snac-server processes on loopback; each test leaves them running (SIGCONT'd)."""
+    log_dir = tmp_path_factory.mktemp("snac-logs")
+    procs = [snac_process(None, "--grace-s", "1").start(log_dir) for _ in range(2)]
+    try:
+        for proc in procs:
+            wait_snac_serving(proc)
+        yield procs
+    finally:
+        for proc in procs:
+            unhang(proc)
+            proc.stop(timeout=10)
+
+
+def _client(replicas, **kw) -> CodecClient:
+    config = CodecClientConfig(
+        addresses=",".join(f"127.0.0.1:{p.port}" for p in replicas), policy=codec_pb2.POLICY_EXACT,
+        chunk_frames=CHUNK, sample_format=codec_pb2.SAMPLE_FORMAT_F32LE, stall_timeout_s=STALL_S, **kw,
+    )
+    return CodecClient(config)
+
+
+async def _run(client: CodecClient, frames: np.ndarray, seed: int, produce=None, on_chunk=None):
+    """One stream to its final chunk: (audio, chunks, arrival times, stream)."""
+    stream = client.stream(seed)
+
+    async def paced():
+        for i in range(0, len(frames), 2):
+            await stream.send(frames[i : i + 2])
+            await asyncio.sleep(0.03)
+        await stream.end()
+
+    producer = asyncio.create_task(produce(stream) if produce else paced())
+    chunks, arrivals = [], []
+    async for chunk in stream.chunks():
+        chunks.append(chunk)
+        arrivals.append(time.monotonic())
+        if on_chunk:
+            await on_chunk(chunk)
+    await producer
+    return np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks]), chunks, arrivals, stream
+
+
+def _assert_whole(chunks, n_frames: int) -> None:
+    """Every frame exactly once, in order: each chunk starts where the previous one ended."""
+    starts = [c.first_frame for c in chunks]
+    assert starts == list(np.cumsum([0] + [c.num_frames for c in chunks[:-1]]))
+    assert sum(c.num_frames for c in chunks) == n_frames and chunks[-1].final
+
+
+async def test_an_idle_stream_is_not_failed_over(replicas):
+    """Too few frames for a chunk, then nothing for longer than the stall timeout: no audio is owed yet."""
+    frames = random_frames(20, seed=7)
+    client = _client(replicas)
+    try:
+        undisturbed, _, _, _ = await _run(client, frames, seed=3)
+        resumed_at = []
+
+        async def idle_then_finish(stream):
+            await stream.send(frames[: CHUNK + 2])  # one short of a chunk with its right context
+            await asyncio.sleep(2 * STALL_S)
+            resumed_at.append(time.monotonic())
+            for i in range(CHUNK + 2, len(frames), 2):
+                await stream.send(frames[i : i + 2])
+            await stream.end()
+
+        audio, chunks, arrivals, stream = await _run(client, frames, seed=3, produce=idle_then_finish)
+    finally:
+        await client.close()
+    assert stream.failovers == 0
+    assert arrivals[0] >= resumed_at[0]  # the replica really had nothing to send while idle
+    _assert_whole(chunks, len(frames))
+    assert np.abs(audio - undisturbed).max() <= 1e-4
+
+
+async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
+    """SIGSTOP the replica serving a stream: it resumes elsewhere after the stall timeout, with the
+    same audio; once keepalive has dropped the hung replica, new streams never go to it."""
+    caplog.set_level(logging.WARNING, logger="llm_server.codec_client")
+    frames = random_frames(40, seed=42)
+    client = _client(replicas)
+    hung = []
+
+    async def hang_the_serving_replica(chunk):
+        if chunk.first_frame >= 8 and not hung:
+            active = [await asyncio.to_thread(scrape, p.metrics_port, "snac_active_streams") for p in replicas]
+            assert sorted(active) == [0, 1], active  # exactly one replica has this stream
+            hung.append(replicas[active.index(1)])
+            hang(hung[0])
+            hung.append(time.monotonic())
+
+    try:
+        undisturbed, _, _, _ = await _run(client, frames, seed=5)
+        for p in replicas:  # the undisturbed stream has left both, so the active count names the victim
+            assert await asyncio.to_thread(wait_metric_zero, p.metrics_port, "snac_active_streams", 5.0) == 0
+        audio, chunks, _, stream = await _run(client, frames, seed=5, on_chunk=hang_the_serving_replica)
+        took_s = time.monotonic() - hung[1]
+
+        assert hung and stream.failovers >= 1
+        assert "DEADLINE_EXCEEDED" in caplog.text  # the stall deadline moved it, not a dead connection
+        assert took_s < 12.0  # before keepalive alone (10 s + 5 s) would have noticed
+        _assert_whole(chunks, len(frames))
+        assert audio.shape == undisturbed.shape == (40 * 2048,)
+        assert np.abs(audio - undisturbed).max() <= 1e-4
+
+        # Keepalive: a ping unanswered for 5 s (pings every 10 s) takes the hung replica's
+        # connection down, and a new one never completes its handshake; round robin then sends
+        # every new stream to the live replica, so none of them has to fail over.
+        await asyncio.sleep(max(0.0, hung[1] + 18.0 - time.monotonic()))
+        results = await asyncio.gather(*(_run(client, random_frames(12, seed=i), seed=i) for i in range(4)))
+        assert [r[3].failovers for r in results] == [0, 0, 0, 0]
+    finally:
+        await client.close()
+        if hung:
+            unhang(hung[0])
