@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from .api import codec_pb2, codec_pb2_grpc
 from .batcher import MicroBatcher
@@ -69,6 +70,20 @@ class _Stream:
         self.outbox: asyncio.Queue = asyncio.Queue()  # (row, future, planned_at) | exception | _EMPTY_FINAL
         self.progress = asyncio.Event()
         self.final_queued = False
+
+
+async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
+    """The client's next message, or None once it half-closed.
+
+    grpc raises the parse error of bytes that are not a DecodeRequest from the iterator
+    itself; that is bad client input like any other (INVALID_ARGUMENT, not UNKNOWN).
+    """
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        return None
+    except DecodeError as exc:
+        raise InvalidFrames(f"message is not a DecodeRequest: {exc}") from None
 
 
 class CodecService(codec_pb2_grpc.SnacCodecServicer):
@@ -156,10 +171,9 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
 
     async def _open(self, requests) -> _Stream:
         """Read the session header, which must come first."""
-        try:
-            first = await requests.__anext__()
-        except StopAsyncIteration:
-            raise InvalidFrames("stream closed before its session header") from None
+        first = await _next_request(requests)
+        if first is None:
+            raise InvalidFrames("stream closed before its session header")
         if first.WhichOneof("kind") != "header":
             raise InvalidFrames(f"first message must be a session header, got {first.WhichOneof('kind')}")
         settings = settings_from_header(first.header, self._config)
@@ -169,9 +183,13 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
         return _Stream(session, first.header.sample_format)
 
     async def _read(self, requests, stream: _Stream) -> None:
-        """Feed frames and end-of-stream into the session; report bad input to the writer."""
+        """Feed frames and end-of-stream into the session; report bad input to the writer.
+
+        Whatever ends this task early goes to the outbox: the writer waits on nothing else,
+        so a reader that died silently would leave the stream open until the client's deadline.
+        """
         try:
-            async for request in requests:
+            while (request := await _next_request(requests)) is not None:
                 kind = request.WhichOneof("kind")
                 if kind == "frames":
                     stream.session.add_frames([list(f.codes) for f in request.frames.frames])
@@ -186,6 +204,9 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             if not stream.session.ended:
                 raise InvalidFrames("stream closed without end_of_stream")
         except InvalidFrames as exc:
+            stream.outbox.put_nowait(exc)
+        except Exception as exc:
+            log.exception("reading a Decode stream failed")
             stream.outbox.put_nowait(exc)
 
     async def _wait_for_room(self, stream: _Stream) -> None:

@@ -14,6 +14,11 @@ import numpy as np
 from .chunking import AdaptiveSchedule, Chunk, Policy, StreamState, next_chunk
 from .frames import CODES_PER_FRAME, FRAME_SECONDS, InvalidFrames, validate_frames
 
+# Largest resume index a header may name (2**48 frames: ~760,000 years of audio). The wire type
+# is uint64, but a row's absolute frame index reaches the model as int64: past 2**63 the whole
+# decode batch, other streams' rows included, would fail.
+MAX_FRAME_INDEX = 2**48
+
 
 @dataclass(frozen=True)
 class SessionSettings:
@@ -54,6 +59,9 @@ class DecodeSession:
         max_inflight: int,
         schedule: AdaptiveSchedule,
     ) -> None:
+        for name in ("first_frame", "emit_from_frame"):
+            if getattr(settings, name) > MAX_FRAME_INDEX:
+                raise InvalidFrames(f"{name} {getattr(settings, name)} exceeds {MAX_FRAME_INDEX}")
         if settings.emit_from_frame < settings.first_frame:
             raise InvalidFrames(
                 f"emit_from_frame {settings.emit_from_frame} is before first_frame {settings.first_frame}"
@@ -156,8 +164,12 @@ class DecodeSession:
         return start, end
 
     def _trim_history(self) -> None:
-        """Drop frames no future window can reach, so long streams use bounded memory."""
-        keep_from = self.planned - max(self._buckets, default=0) - 1
+        """Drop frames no future window can reach, so long streams use bounded memory.
+
+        Never past `received`: a resume whose emit_from_frame lies far beyond the frames sent
+        so far would otherwise drop frames not yet in the history and misalign later ones.
+        """
+        keep_from = min(self.planned, self.received) - max(self._buckets, default=0) - 1
         drop = keep_from - self._history_start
         if drop > 256:
             self._history = self._history[drop:]
