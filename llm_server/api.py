@@ -2,12 +2,19 @@
 
 Client mistakes become 4xx with an OpenAI-shaped error body here, at the edge; the rest of
 the tier raises typed errors. The response starts with the first decoded audio, so a codec
-or engine failure before any audio is still a proper 503, not a truncated 200.
+or engine failure before any audio is still a proper 503, not a truncated 200. A failure after
+audio has started ends the stream deliberately: an SSE `error` event, or for raw audio a body cut
+short (the connection closes without the final chunk), which is how HTTP says "incomplete".
+
+A client that reads far slower than real time is cut off once it is `max_client_lag_s` of audio
+behind; while it keeps us waiting we read nothing more from the codec, so gRPC flow control
+holds the rest of the pipeline back and memory per stream stays bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -20,8 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import request_log
+from .admission import KEY
 from .audio_format import FORMATS, MEDIA_TYPES, STREAM_FORMATS, SAMPLE_BYTES, SAMPLE_RATE, sse_delta, sse_done, streaming_wav_header
+from .auth import ApiKey, ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
 from .runtime import Runtime
@@ -82,8 +93,19 @@ def validate(body: SpeechBody, config: LlmServerConfig) -> str:
     return voice
 
 
+class SpeechApp(FastAPI):
+    """FastAPI with the request-id layer outside even Starlette's error handler, so every
+    response, a 500 included, carries X-Request-Id."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return request_log.RequestIdMiddleware(super().build_middleware_stack())
+
+
 def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastAPI:
-    """The FastAPI app; the runtime (engine, codec client, tokenizer) starts in the lifespan."""
+    """The FastAPI app; the runtime (engine, codec client, tokenizer) starts in the lifespan.
+
+    A broken `api_keys_file` raises ApiKeysError here, before the engine starts.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -93,8 +115,13 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         finally:
             await app.state.runtime.stop()
 
-    app = FastAPI(title="Orpheus MegaPod", lifespan=lifespan)
+    app = SpeechApp(title="Orpheus MegaPod", lifespan=lifespan)
+    app.state.draining = False  # set on SIGTERM (server.py): /ready says 503 from then on
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_keys_file:
+        keys = ApiKeys(config.api_keys_file)
+        app.add_middleware(ApiKeyMiddleware, keys=keys, on_refused=lambda: app.state.runtime.metrics.unauthorized.inc())
+    request_log.quiet_deliberate_aborts()
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -127,6 +154,8 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
+        if request.app.state.draining:
+            return error_response(503, "draining: finishing in-flight streams before exit", code="not_ready")
         problems = await request.app.state.runtime.readiness_problems()
         if problems:
             return error_response(503, "; ".join(problems), code="not_ready")
@@ -139,64 +168,191 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     return app
 
 
+class StreamFailed(Exception):
+    """Generation failed after audio went out (already logged); the response ends early."""
+
+
+class ClientTooSlow(Exception):
+    """The client fell more than max_client_lag_s of audio behind; the connection is dropped."""
+
+
+class ClientPace:
+    """How far behind a client is, counted only while it keeps us waiting.
+
+    `blocked_s` sums the time each chunk took to be taken (from our yield to our resumption);
+    `accepted_s` is the audio taken. A client reading at real-time pace can keep us waiting at
+    most about the audio it took plus what its buffer holds, so blocked - accepted stays near
+    zero for it, and it is exactly zero for a server slower than real time (never kept waiting).
+    """
+
+    def __init__(self, max_lag_s: float) -> None:
+        self.max_lag_s = max_lag_s
+        self.blocked_s = 0.0
+        self.accepted_s = 0.0
+        self.cut_off = False
+        self._since: float | None = None
+
+    def handing_over(self) -> None:
+        """A chunk was yielded: the client now has us waiting."""
+        self._since = time.monotonic()
+
+    def taken(self, audio_s: float) -> None:
+        """The chunk was taken (the response asked for the next one)."""
+        if self._since is not None:
+            self.blocked_s += time.monotonic() - self._since
+        self._since = None
+        self.accepted_s += audio_s
+
+    def time_left(self) -> float | None:
+        """How much longer the current wait may last before the client is over its lag; None when not waiting."""
+        if self._since is None:
+            return None
+        return self.max_lag_s + self.accepted_s - self.blocked_s - (time.monotonic() - self._since)
+
+
+class SpeechResponse(StreamingResponse):
+    """A StreamingResponse that ends deliberately: a stream that failed mid-way closes the
+    connection without the final chunk, and a send a too-slow client keeps waiting past its
+    lag allowance drops the connection (never a traceback; the reason was logged once)."""
+
+    def __init__(self, content: AsyncIterator[bytes], pace: ClientPace, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.pace = pace
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ctx = request_log.current()
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await self._send_in_time(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except StreamFailed:
+            if ctx is not None:
+                ctx.end_response_early()
+        except ClientTooSlow:
+            self.pace.cut_off = True
+            if ctx is not None:
+                ctx.reset_connection()
+        finally:
+            await self.body_iterator.aclose()
+
+    async def _send_in_time(self, send: Send, message: dict) -> None:
+        left = self.pace.time_left()
+        if left is None:
+            await send(message)
+            return
+        try:
+            async with asyncio.timeout(max(left, 0.0)):  # cancels a send waiting on flow control
+                await send(message)
+        except TimeoutError:
+            p = self.pace
+            log.warning("client too slow: kept the stream waiting %.1f s for %.1f s of audio (limit %.1f s behind); cut off",
+                        p.blocked_s + (time.monotonic() - p._since), p.accepted_s, p.max_lag_s)
+            raise ClientTooSlow from None
+
+
+def _admit(runtime: Runtime, config: LlmServerConfig, key: ApiKey | None) -> None:
+    """Take a stream slot (and one of the key's) or refuse with 429."""
+    refused = runtime.admission.admit(key.name if key else None, key.max_streams if key else 0)
+    if refused is None:
+        return
+    runtime.metrics.requests.labels("refused").inc()
+    if refused == KEY:
+        runtime.metrics.key_requests.labels(key.name, "refused_key").inc()
+        raise ApiError(429, f"API key {key.name!r} is at its limit of {key.max_streams} concurrent streams; retry shortly",
+                       code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if key is not None:
+        runtime.metrics.key_requests.labels(key.name, "refused").inc()
+    raise ApiError(429, f"server is at its limit of {config.max_streams} concurrent streams; retry shortly",
+                   code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+def _log_request(config: LlmServerConfig, body: SpeechBody, voice: str, key: ApiKey | None) -> None:
+    """One line per admitted request; the text itself only with --log-input-text."""
+    who = f", key {key.name}" if key else ""
+    if config.log_input_text:
+        log.info("speech: voice %s, %s/%s%s, input %r", voice, body.response_format, body.stream_format, who, body.input)
+    else:
+        log.info("speech: voice %s, %s/%s%s, %d characters", voice, body.response_format, body.stream_format, who, len(body.input))
+
+
 async def _speech(runtime: Runtime, config: LlmServerConfig, body: SpeechBody, request: Request) -> Response:
     voice = validate(body, config)
-    if not runtime.admission.try_admit():
-        runtime.metrics.requests.labels("refused").inc()
-        raise ApiError(429, f"server is at its limit of {config.max_streams} concurrent streams; retry shortly",
-                       code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    _admit(runtime, config, key)
+    _log_request(config, body, voice, key)
     started = time.perf_counter()
     seed = body.seed if body.seed is not None else random.getrandbits(31)
+    # The job id names engine and codec requests: unique even if clients reuse X-Request-Id.
     stream = runtime.pipeline.start(SpeechJob(f"speech-{uuid.uuid4().hex[:16]}", body.input, voice, seed))
     audio = stream.__aiter__()
     try:
         first = await anext(audio, b"")
     except Exception as exc:
         await audio.aclose()
-        runtime.admission.release()
-        runtime.metrics.requests.labels("error").inc()
+        runtime.admission.release(key.name if key else None)
+        _count(runtime, key, "error")
         log.error("%s failed before audio: %s", stream.job.request_id, exc)
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
     runtime.metrics.time_to_first_audio.observe(time.perf_counter() - started)
-    pcm = _serve_stream(runtime, stream, first, audio, request)
+    pace = ClientPace(config.max_client_lag_s)
+    pcm = _serve_stream(runtime, stream, first, audio, request, pace, key)
     # Started here (it yields `first`), not by the response: a started generator is always
     # finalized, so the slot and the engine request come back even if the client is gone before
     # the response is sent.
     await anext(pcm)
     media = "text/event-stream" if body.stream_format == "sse" else MEDIA_TYPES[body.response_format]
-    return StreamingResponse(
+    return SpeechResponse(
         _encode(first, pcm, body.response_format, body.stream_format, stream),
+        pace,
         media_type=media,
-        headers={"X-Request-Id": stream.job.request_id, "Cache-Control": "no-store"},
+        headers={"Cache-Control": "no-store"},
     )
 
 
+def _count(runtime: Runtime, key: ApiKey | None, outcome: str) -> None:
+    runtime.metrics.requests.labels(outcome).inc()
+    if key is not None:
+        runtime.metrics.key_requests.labels(key.name, outcome).inc()
+
+
 async def _serve_stream(
-    runtime: Runtime, stream: SpeechStream, first: bytes, rest: AsyncIterator[bytes], request: Request
+    runtime: Runtime, stream: SpeechStream, first: bytes, rest: AsyncIterator[bytes], request: Request,
+    pace: ClientPace, key: ApiKey | None,
 ) -> AsyncIterator[bytes]:
-    """The audio, with the client watched for a disconnect and the admission slot always returned."""
+    """The audio, with the client watched for a disconnect and its pace, and the admission slot
+    always returned. A failure after the first chunk is logged here, in one line, and re-raised
+    as StreamFailed for the response to end the stream."""
     runtime.metrics.active_streams.inc()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     outcome = "disconnected"
     try:
-        runtime.metrics.audio_seconds.inc(len(first) / (SAMPLE_BYTES * SAMPLE_RATE))
-        yield first
-        async for pcm in rest:
-            runtime.metrics.audio_seconds.inc(len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE))
-            yield pcm
+        pcm: bytes | None = first
+        while pcm is not None:
+            seconds = len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE)
+            runtime.metrics.audio_seconds.inc(seconds)
+            pace.handing_over()
+            yield pcm  # resumes when the response wants the next chunk: this one was taken
+            pace.taken(seconds)
+            pcm = await anext(rest, None)
         outcome = "ok"
     except Exception as exc:
-        outcome = "disconnected" if watcher.done() else "error"
-        if outcome == "error":
-            log.error("%s failed mid-stream: %s", stream.job.request_id, exc)
-            raise
+        if watcher.done():
+            outcome = "disconnected"
+        else:
+            outcome = "error"
+            log.error("%s failed after %.1f s of audio: %s: %s", stream.job.request_id, pace.accepted_s,
+                      type(exc).__name__, exc)
+            raise StreamFailed(str(exc)) from None
     finally:
+        if pace.cut_off:
+            outcome = "slow_client"
         watcher.cancel()
         stream.cancel()
         await rest.aclose()
-        runtime.admission.release()
+        runtime.admission.release(key.name if key else None)
         runtime.metrics.active_streams.dec()
-        runtime.metrics.requests.labels(outcome).inc()
+        _count(runtime, key, outcome)
 
 
 async def _cancel_on_disconnect(request: Request, stream: SpeechStream) -> None:
@@ -209,16 +365,26 @@ async def _cancel_on_disconnect(request: Request, stream: SpeechStream) -> None:
             return
 
 
+def sse_error(message: str) -> bytes:
+    """A final `error` event: the stream failed after audio went out (OpenAI's error shape)."""
+    error = {"message": message, "type": "server_error", "param": None, "code": "generation_failed"}
+    return f"data: {json.dumps({'type': 'error', 'error': error})}\n\n".encode()
+
+
 async def _encode(
     first: bytes, rest: AsyncIterator[bytes], response_format: str, stream_format: str, stream: SpeechStream
 ) -> AsyncIterator[bytes]:
     """Wrap PCM as the client asked: raw, a streaming WAV, or SSE events."""
     try:
         if stream_format == "sse":
-            if first:
-                yield sse_delta(first)
-            async for chunk in rest:
-                yield sse_delta(chunk)
+            try:
+                if first:
+                    yield sse_delta(first)
+                async for chunk in rest:
+                    yield sse_delta(chunk)
+            except StreamFailed as exc:
+                yield sse_error(f"speech generation failed: {exc}")
+                return
             yield sse_done(stream.prompt_tokens, stream.generated_tokens)
             return
         if response_format == "wav":

@@ -23,6 +23,12 @@ class LlmMetrics:
         self.tokens = Counter("orpheus_generated_tokens", "Audio-code tokens generated", registry=r)
         self.frames = Counter("orpheus_frames", "Audio frames generated (7 tokens each)", registry=r)
         self.audio_seconds = Counter("orpheus_audio_seconds", "Seconds of audio delivered", registry=r)
+        # outcome: ok, disconnected, error, slow_client (cut off), refused (a stream cap)
         self.requests = Counter("orpheus_requests", "Speech requests by outcome", ["outcome"], registry=r)
+        # By key name (never the key), when API keys are on: outcomes as above, plus refused_key.
+        self.key_requests = Counter("orpheus_key_requests", "Speech requests by API key name and outcome",
+                                    ["key", "outcome"], registry=r)
+        self.unauthorized = Counter("orpheus_unauthorized_requests", "Requests refused for a missing or unknown API key",
+                                    registry=r)
         self.engine_queue = Gauge("orpheus_engine_unfinished_requests", "Requests held by the engine", registry=r)
         self.engine_queue.set_function(engine_unfinished)

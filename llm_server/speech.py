@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from .audio_tokens import FrameAssembler
@@ -90,13 +91,17 @@ class SpeechPipeline:
             ids = prompt_ids(self._tokenizer, job.voice, segment)
             out.prompt_tokens += len(ids)
             assembler = FrameAssembler()
-            async for tokens in self.engine.generate(ids, self._sampling(segment, len(ids), job.seed + index), f"{job.request_id}-{index}"):
-                out.generated_tokens += len(tokens)
-                self._metrics.tokens.inc(len(tokens))
-                frames = assembler.feed(tokens)
-                if len(frames):
-                    self._metrics.frames.inc(len(frames))
-                    await codec.send(frames)
+            generation = self.engine.generate(ids, self._sampling(segment, len(ids), job.seed + index), f"{job.request_id}-{index}")
+            # Closed here even when cancelled mid-send: the engine aborts the request at once,
+            # not whenever the garbage collector finalizes a dropped generator.
+            async with aclosing(generation):
+                async for tokens in generation:
+                    out.generated_tokens += len(tokens)
+                    self._metrics.tokens.inc(len(tokens))
+                    frames = assembler.feed(tokens)
+                    if len(frames):
+                        self._metrics.frames.inc(len(frames))
+                        await codec.send(frames)
             assembler.finish()
             if assembler.dropped_tokens:
                 log.warning("%s segment %d: dropped %d tokens of a partial frame", job.request_id, index, assembler.dropped_tokens)

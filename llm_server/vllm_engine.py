@@ -42,6 +42,7 @@ def engine_args(config: LlmServerConfig, model_dir: str):
         speculative_config=json.loads(config.speculative_config) if config.speculative_config else None,
         logits_processors=[FrameConstraintV1],
         disable_log_stats=True,
+        enable_log_requests=False,
     )
 
 
@@ -63,7 +64,9 @@ class VllmEngine:
             args.logits_processors = [FrameConstraintV2]
             vllm_config = args.create_engine_config()
             self._slot_sampler = False
-        self._engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+        # No per-request logging from vLLM: a prompt's ids spell out the input text, which stays
+        # out of logs (llm-server --log-input-text is the one switch for it).
+        self._engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True, enable_log_requests=False)
         log.info("vLLM engine up (%s runner)", "V2" if vllm_config.use_v2_model_runner else "V1")
 
     def _params(self, sampling: Sampling):

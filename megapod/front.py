@@ -2,7 +2,8 @@
 active streams; a worker at its cap (429) passes the request to the next one.
 
 Responses are relayed as they stream. A client that disconnects closes the upstream
-request at once, so the worker aborts its engine request.
+request at once, so the worker aborts its engine request. API keys are the workers' business:
+the front passes `Authorization` (and `X-Request-Id`) through and relays their 401s as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
+# Request headers the workers act on: the API key, and the id their log lines carry.
+_PASSED_HEADERS = ("authorization", "x-request-id")
 
 
 class WorkerPool:
@@ -58,7 +61,7 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
         body = await _bounded_body(request)
         if body is None:
             return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         for url in pool.order():
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}/v1/audio/speech", content=body, headers=headers), stream=True)
@@ -73,12 +76,12 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
         return _error(429, "every worker is at its stream limit; retry shortly", "rate_limit_exceeded", {"Retry-After": "1"})
 
     @app.get("/v1/voices")
-    async def voices() -> Response:
-        return await _forward_get(client, pool, "/v1/voices")
+    async def voices(request: Request) -> Response:
+        return await _forward_get(client, pool, "/v1/voices", _passed(request))
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await _forward_get(client, pool, "/v1/models")
+    async def models(request: Request) -> Response:
+        return await _forward_get(client, pool, "/v1/models", _passed(request))
 
     @app.get("/health")
     async def health() -> dict:
@@ -112,13 +115,18 @@ async def _bounded_body(request: Request) -> bytes | None:
     return b"".join(chunks)
 
 
-async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str) -> Response:
+def _passed(request: Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in _PASSED_HEADERS if name in request.headers}
+
+
+async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, headers: dict[str, str]) -> Response:
     for url in pool.order():
         try:
-            reply = await client.get(f"{url}{path}", timeout=5.0)
-            return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+            reply = await client.get(f"{url}{path}", headers=headers, timeout=5.0)
         except httpx.HTTPError:
             continue
+        relayed = {k: v for k, v in reply.headers.items() if k.lower() in ("www-authenticate", "x-request-id", "retry-after")}
+        return Response(reply.content, reply.status_code, headers=relayed, media_type=reply.headers.get("content-type"))
     return _error(503, "no worker reachable")
 
 

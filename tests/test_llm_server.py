@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import json
+import random
 import signal
 import time
 import wave
@@ -143,6 +144,36 @@ def test_client_disconnect_aborts_the_engine_request(stack):
     generated = scrape(stack["worker"].port, "orpheus_generated_tokens_total") - tokens_before
     assert generated < 700, f"{generated} tokens: the request ran to its budget instead of being aborted"
     assert scrape(stack["worker"].port, "orpheus_active_streams") == 0
+
+
+def test_random_disconnects_release_the_engine_codec_and_slots(stack):
+    """Clients leave at random points (before the headers, after a few bytes, mid-stream); the
+    engine, the codec replicas and the admission slots all end up empty, and the worker serves."""
+    rng = random.Random(11)
+    url = f"{stack['url']}/v1/audio/speech"
+    body = {"model": "tts-1", "input": "Leaving early is allowed. The worker cleans up after every one.", "voice": "tara"}
+    for _ in range(10):
+        if rng.random() < 0.3:
+            with pytest.raises(httpx.TimeoutException):  # gone before the response head
+                httpx.post(url, json=body, timeout=httpx.Timeout(5.0, read=rng.uniform(0.05, 0.5)))
+            continue
+        with httpx.stream("POST", url, json=body, timeout=300) as r:
+            assert r.status_code == 200
+            audio, limit = r.iter_raw(), rng.choice([1, 4096, 20_000, 60_000])
+            got = 0
+            for chunk in audio:
+                got += len(chunk)
+                if got >= limit:
+                    break
+    port = stack["worker"].port
+    for name in ("orpheus_engine_unfinished_requests", "orpheus_active_streams"):
+        left = wait_metric_zero(port, name, within_s=15)
+        assert left == 0, f"{name} still {left} after the clients left"
+    for replica in stack["replicas"]:
+        assert wait_metric_zero(replica.metrics_port, "snac_active_streams", within_s=15) == 0
+    before = _frames_generated(stack)
+    pcm = np.frombuffer(httpx.post(url, json={**body, "response_format": "pcm"}, timeout=300).content, "<i2")
+    assert len(pcm) == 2048 * (_frames_generated(stack) - before) > 0
 
 
 @pytest.mark.parametrize(

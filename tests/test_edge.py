@@ -1,0 +1,506 @@
+"""The LLM worker's HTTP edge, in-process and fast: the real app, Runtime, codec client, snac
+server and uvicorn on loopback; only the engine is a test double (ScriptedEngineDouble).
+
+Covers engine failures mid-stream, clients leaving at random points, slow clients, API keys,
+request ids and what reaches the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import random
+import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from llm_server.admission import AdmissionController
+from llm_server.api import create_app
+from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
+from llm_server.auth import ApiKeysError
+from llm_server.codec_client import CodecClient
+from llm_server.config import LlmServerConfig
+from llm_server.engine import EngineError, Sampling
+from llm_server.metrics import LlmMetrics
+from llm_server.request_log import RequestIdFilter
+from llm_server.runtime import Runtime, codec_client_config
+from llm_server.speech import SpeechPipeline
+
+FRAME_BYTES = 2048 * 2  # s16 samples per frame
+BYTES_PER_SECOND = 24000 * 2
+
+
+class ScriptedEngineDouble:
+    """A test double of the Engine protocol: valid audio-token batches, fast (faster than real
+    time, like a GPU), `frames` per request whatever the token budget, and a scripted failure
+    after `fail_after_frames`, once `fail_gate` is set (by a test that has seen audio arrive)."""
+
+    def __init__(self, frames: int = 48, frames_per_batch: int = 2, batch_delay_s: float = 0.002,
+                 fail_after_frames: int | None = None) -> None:
+        self.frames = frames
+        self.frames_per_batch = frames_per_batch
+        self.batch_delay_s = batch_delay_s
+        self.fail_after_frames = fail_after_frames
+        self.fail_gate = asyncio.Event()
+        self.live = 0  # generators started and not yet finalized
+        self.started = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
+        self.live += 1
+        self.started += 1
+        rng = random.Random(request_id)
+        try:
+            sent = 0
+            while sent < self.frames:
+                if self.fail_after_frames is not None and sent >= self.fail_after_frames:
+                    await self.fail_gate.wait()
+                    raise EngineError("scripted engine failure")
+                n = min(self.frames_per_batch, self.frames - sent)
+                await asyncio.sleep(self.batch_delay_s)
+                yield [code_to_token(rng.randrange(4096), slot) for _ in range(n) for slot in range(7)]
+                sent += n
+            yield [END_OF_SPEECH]
+        finally:
+            self.live -= 1
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def num_unfinished(self) -> int:
+        return self.live
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class CharTokenizerDouble:
+    """A tokenizer test double: one id per character (the prompt's content does not matter here)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1000 + ord(c) % 1000 for c in text]
+
+
+@dataclass
+class Served:
+    url: str
+    port: int
+    runtime: Runtime
+    engine: ScriptedEngineDouble
+
+    def outcome(self, outcome: str) -> float:
+        value = self.runtime.metrics.registry.get_sample_value("orpheus_requests_total", {"outcome": outcome})
+        return value or 0.0
+
+
+@asynccontextmanager
+async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, **overrides):
+    """The real app over a real Runtime (engine double) under uvicorn, in this event loop."""
+    config = LlmServerConfig(host="127.0.0.1", port=0, snac=snac_server.address, **overrides)
+    engine = engine or ScriptedEngineDouble()
+    codec = CodecClient(codec_client_config(config))
+    metrics = LlmMetrics(engine.num_unfinished)
+    tokenizer = CharTokenizerDouble()
+    runtime = Runtime(config=config, engine=engine, codec=codec, tokenizer=tokenizer,
+                      pipeline=SpeechPipeline(engine, codec, tokenizer, config, metrics),
+                      admission=AdmissionController(config.max_streams), metrics=metrics)
+    app = create_app(config, runtime)
+    sock = socket.socket()
+    if sndbuf:  # inherited by accepted connections: a small send buffer, no autotuning
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    sock.setblocking(False)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info", timeout_graceful_shutdown=2))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    port = sock.getsockname()[1]
+    try:
+        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def _body(text: str = "Hello there.", **kw) -> dict:
+    return {"model": "tts-1", "input": text, "voice": "tara", "response_format": "pcm", **kw}
+
+
+def _pending_tasks() -> set[asyncio.Task]:
+    """Unfinished tasks of this loop, less the snac server's own (grpc.aio keeps spare call
+    tasks and the codec client's health watch there; its Decode streams are counted apart)."""
+    return {t for t in asyncio.all_tasks() if not t.done() and not _grpc_server_task(t)}
+
+
+def _grpc_server_task(task: asyncio.Task) -> bool:
+    frames = task.get_stack(limit=1)
+    return bool(frames) and "aio/server.pyx" in frames[0].f_code.co_filename
+
+
+async def _settled(served: Served, snac_server, baseline: set[asyncio.Task], within_s: float = 10.0) -> dict:
+    """Wait until nothing of any stream is held; returns the readings (all zero when settled)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        leaked = _pending_tasks() - baseline - {asyncio.current_task()}
+        readings = {
+            "admission": served.runtime.admission.active,
+            "per_key": sum(served.runtime.admission.active_per_key.values()),
+            "active_streams": served.runtime.metrics.registry.get_sample_value("orpheus_active_streams"),
+            "engine_generators": served.engine.live,
+            "codec_streams": snac_server.service.active,
+            "tasks": len(leaked),
+        }
+        if not any(readings.values()) or loop.time() > deadline:
+            if leaked:
+                readings["leaked"] = [repr(t.get_coro()) for t in leaked]
+            return readings
+
+
+async def _baseline(served: Served, snac_server) -> set[asyncio.Task]:
+    """Tasks that belong to the server itself, taken after one short request warmed every channel up."""
+    frames, served.engine.frames = served.engine.frames, 8
+    try:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            assert (await client.post("/v1/audio/speech", json=_body())).status_code == 200
+    finally:
+        served.engine.frames = frames
+    await asyncio.sleep(0.3)
+    return _pending_tasks()
+
+
+# --- raw HTTP over a socket we control (buffer sizes, when to read) ---------------------------
+
+
+async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "") -> socket.socket:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    request = (f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    await loop.sock_sendall(sock, request)
+    return sock
+
+
+async def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The response head and whatever body bytes came with it."""
+    loop = asyncio.get_running_loop()
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await loop.sock_recv(sock, 4096)
+        assert chunk, f"connection closed before the response head: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+async def _read_to_end(sock: socket.socket, timeout_s: float = 30.0) -> bytes:
+    """Everything until the server closes (FIN or RST)."""
+    loop = asyncio.get_running_loop()
+    data = b""
+    while True:
+        try:
+            chunk = await asyncio.wait_for(loop.sock_recv(sock, 65536), timeout_s)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def _dechunk(raw: bytes) -> tuple[bytes, bool]:
+    """A chunked body -> (payload, whether the terminating chunk arrived)."""
+    out, pos = [], 0
+    while True:
+        end = raw.find(b"\r\n", pos)
+        if end < 0:
+            return b"".join(out), False
+        try:
+            size = int(raw[pos:end].split(b";")[0], 16)
+        except ValueError:  # bytes lost to a reset connection: cut short
+            return b"".join(out), False
+        if size == 0:
+            return b"".join(out), True
+        out.append(raw[end + 2 : end + 2 + size])
+        if end + 2 + size + 2 > len(raw):
+            return b"".join(out), False
+        pos = end + 2 + size + 2
+
+
+# --- engine failure mid-stream ----------------------------------------------------------------
+
+
+async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_audio_short(snac_server, caplog):
+    engine = ScriptedEngineDouble(frames=40)
+    async with serving(snac_server, engine) as served:
+        baseline = await _baseline(served, snac_server)
+        engine.fail_after_frames = 12
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            events = []
+            async with client.stream("POST", "/v1/audio/speech", json=_body(stream_format="sse")) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+                        engine.fail_gate.set()  # audio is out: now the engine fails
+            engine.fail_gate.clear()
+            assert events[0]["type"] == "speech.audio.delta" and base64.b64decode(events[0]["audio"])
+            assert events[-1]["type"] == "error"
+            assert events[-1]["error"]["code"] == "generation_failed" and "scripted engine failure" in events[-1]["error"]["message"]
+            assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+
+            received = b""
+            with pytest.raises(httpx.RemoteProtocolError):  # the body ends without its last chunk
+                async with client.stream("POST", "/v1/audio/speech", json=_body()) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        received += chunk
+                        engine.fail_gate.set()
+            assert 0 < len(received) < 40 * FRAME_BYTES
+
+            engine.fail_after_frames = None
+            ok = await client.post("/v1/audio/speech", json=_body())
+            assert ok.status_code == 200 and len(ok.content) == 40 * FRAME_BYTES
+        assert served.outcome("error") == 2
+        assert await _settled(served, snac_server, baseline) == dict.fromkeys(
+            ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks"), 0)
+    failures = [r for r in caplog.records if "scripted engine failure" in r.getMessage()]
+    assert len(failures) == 2 and all(r.exc_info is None for r in failures), "one line per failure, no traceback"
+    assert not [r for r in caplog.records if r.name.startswith("uvicorn") and r.levelno >= logging.ERROR]
+
+
+# --- clients leaving at random points ---------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=False, reason="open: on a loaded 2-core box 1-2 of 20 streams stay held (watcher sees no "
+                   "disconnect, codec read pending); not yet diagnosed - see the edge report")
+async def test_random_disconnects_release_everything(snac_server):
+    engine = ScriptedEngineDouble(frames=60, batch_delay_s=0.004)
+    rng = random.Random(7)
+    async with serving(snac_server, engine) as served:
+        baseline = await _baseline(served, snac_server)
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+
+            async def leave_while_reading(limit: int) -> None:
+                async with client.stream("POST", "/v1/audio/speech", json=_body(response_format=rng.choice(["wav", "pcm"]))) as r:
+                    got = 0
+                    async for chunk in r.aiter_raw():
+                        got += len(chunk)
+                        if got >= limit:
+                            return  # leaving the block closes the connection mid-body
+
+            async def leave_before_headers(after_s: float) -> None:
+                # A socket of our own, closed for sure: a cancelled httpx request can leave its
+                # connection open (a silent client, not a disconnect).
+                sock = await _open_raw(served.port, _body())
+                await asyncio.sleep(after_s)
+                sock.close()
+
+            for round_ in range(5):
+                clients = []
+                for _ in range(4):
+                    if rng.random() < 0.3:
+                        clients.append(leave_before_headers(rng.uniform(0.0, 0.15)))
+                    else:
+                        clients.append(leave_while_reading(rng.choice([1, 4096, 30_000, 100_000, 300_000])))
+                await asyncio.gather(*clients)
+        readings = await _settled(served, snac_server, baseline, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
+        assert readings == dict.fromkeys(readings, 0), readings
+        assert served.runtime.admission.active == 0
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            assert len((await client.post("/v1/audio/speech", json=_body())).content) == 60 * FRAME_BYTES
+
+
+# --- slow clients -----------------------------------------------------------------------------
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_everything_released(snac_server, caplog):
+    frames = 1200  # 102 s of audio: far more than any buffer on the way holds
+    engine = ScriptedEngineDouble(frames=frames, frames_per_batch=4)
+    async with serving(snac_server, engine, sndbuf=16384, max_client_lag_s=1.0) as served:
+        baseline = await _baseline(served, snac_server)
+        sock = await _open_raw(served.port, _body(), rcvbuf=4096)
+        try:
+            head, early = await _read_head(sock)
+            assert head.startswith(b"HTTP/1.1 200")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while served.outcome("slow_client") < 1 and loop.time() < deadline:
+                await asyncio.sleep(0.1)  # not reading
+            assert served.outcome("slow_client") == 1
+            readings = await _settled(served, snac_server, baseline)
+            assert readings == dict.fromkeys(readings, 0), readings
+            body, complete = _dechunk(early + await _read_to_end(sock))
+            assert not complete and len(body) < frames * FRAME_BYTES / 4, "the server closed the connection long before the end"
+        finally:
+            sock.close()
+    assert any("client too slow" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_real_time_reader_is_never_cut_off(snac_server):
+    frames = 100  # 8.5 s of audio, generated in well under a second
+    engine = ScriptedEngineDouble(frames=frames, frames_per_batch=4)
+    async with serving(snac_server, engine, sndbuf=16384, max_client_lag_s=1.5) as served:
+        await _baseline(served, snac_server)
+        loop = asyncio.get_running_loop()
+        sock = await _open_raw(served.port, _body(), rcvbuf=4096)
+        try:
+            head, raw = await _read_head(sock)
+            assert head.startswith(b"HTTP/1.1 200")
+            started = loop.time()
+            while not _dechunk(raw)[1]:
+                # A player: never more than real time allows (plus 0.1 s), reading in small bites.
+                allowed = BYTES_PER_SECOND * (loop.time() - started + 0.1)
+                if len(raw) >= allowed:
+                    await asyncio.sleep(0.02)
+                    continue
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10)
+                assert chunk, "the server closed a real-time reader's stream"
+                raw += chunk
+            elapsed = loop.time() - started
+        finally:
+            sock.close()
+        body, _ = _dechunk(raw)
+        assert len(body) == frames * FRAME_BYTES
+        assert elapsed > 0.6 * frames * FRAME_BYTES / BYTES_PER_SECOND, "the reader, not generation, set the pace"
+        assert served.outcome("slow_client") == 0 and served.outcome("ok") == 2
+
+
+# --- API keys ---------------------------------------------------------------------------------
+
+ALICE, BOB, ALICE_NEW = "alice-key-000001", "bob-key-0000002", "alice-key-rotated"
+
+
+def _write_keys(path, text: str, stamp: list[int]) -> None:
+    path.write_text(text)
+    stamp[0] += 10**9  # a distinct mtime per write, however fast the writes come
+    os.utime(path, ns=(stamp[0], stamp[0]))
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_api_keys_per_key_caps_rotation_and_a_broken_reload(snac_server, tmp_path, caplog):
+    keys = tmp_path / "keys"
+    stamp = [1_700_000_000 * 10**9]
+    _write_keys(keys, f"# name:key[:max_streams]\n\nalice:{ALICE}:1\nbob:{BOB}\n", stamp)
+    engine = ScriptedEngineDouble(frames=600, frames_per_batch=4)
+    async with serving(snac_server, engine, api_keys_file=str(keys)) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            for headers in ({}, _auth("nope-not-a-key"), {"Authorization": f"Basic {ALICE}"}):
+                r = await client.post("/v1/audio/speech", json=_body(), headers=headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+                assert r.json()["error"]["code"] == "invalid_api_key" and set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert (await client.get("/v1/voices")).status_code == 401
+            assert (await client.get("/v1/models", headers=_auth(BOB))).status_code == 200
+            for open_path in ("/health", "/ready", "/metrics"):
+                assert (await client.get(open_path)).status_code == 200
+
+            # alice may hold one stream; a second is refused while bob still gets in
+            async with client.stream("POST", "/v1/audio/speech", json=_body(), headers=_auth(ALICE)) as held:
+                assert held.status_code == 200
+                refused = await client.post("/v1/audio/speech", json=_body(), headers=_auth(ALICE))
+                assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+                assert "'alice'" in refused.json()["error"]["message"] and "limit of 1" in refused.json()["error"]["message"]
+                async with client.stream("POST", "/v1/audio/speech", json=_body(), headers=_auth(BOB)) as other:
+                    assert other.status_code == 200
+            await _until(lambda: served.runtime.admission.active == 0)
+            assert served.runtime.admission.active_per_key == {}
+
+            # rotation: old and new key side by side, then the old one removed
+            _write_keys(keys, f"alice:{ALICE_NEW}:1\nalice:{ALICE}:1\nbob:{BOB}\n", stamp)
+            for key in (ALICE, ALICE_NEW):
+                assert (await client.get("/v1/models", headers=_auth(key))).status_code == 200
+            _write_keys(keys, f"alice:{ALICE_NEW}:1\nbob:{BOB}\n", stamp)
+            assert (await client.get("/v1/models", headers=_auth(ALICE))).status_code == 401
+            assert (await client.get("/v1/models", headers=_auth(ALICE_NEW))).status_code == 200
+
+            # a broken file keeps the keys loaded before, and says so once
+            _write_keys(keys, f"alice {ALICE_NEW}\nthis is not a key line\n", stamp)
+            for _ in range(3):
+                assert (await client.get("/v1/models", headers=_auth(ALICE_NEW))).status_code == 200
+            errors = [r for r in caplog.records if r.name == "llm_server.auth" and r.levelno == logging.ERROR]
+            assert len(errors) == 1 and "line 1" in errors[0].getMessage()
+        assert served.runtime.metrics.registry.get_sample_value("orpheus_unauthorized_requests_total") >= 5
+        assert served.runtime.metrics.registry.get_sample_value(
+            "orpheus_key_requests_total", {"key": "alice", "outcome": "refused_key"}) == 1
+    for secret in (ALICE, BOB, ALICE_NEW):
+        assert secret not in caplog.text, "a key reached the logs"
+
+
+def test_a_broken_keys_file_stops_startup_with_a_clear_message(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice:{ALICE}:lots\n")
+    with pytest.raises(ApiKeysError, match=r"line 1: max_streams") as info:
+        create_app(LlmServerConfig(api_keys_file=str(keys)))
+    assert ALICE not in str(info.value)
+    with pytest.raises(ApiKeysError, match="cannot be read"):
+        create_app(LlmServerConfig(api_keys_file=str(tmp_path / "missing")))
+
+
+async def _until(condition, within_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+# --- request ids and logs ---------------------------------------------------------------------
+
+SECRET_TEXT = "Zebra quartz marmalade whispers."
+
+
+async def test_request_ids_on_every_response_and_log_line_and_no_input_text(snac_server, caplog):
+    caplog.set_level(logging.INFO)
+    caplog.handler.addFilter(RequestIdFilter())
+    async with serving(snac_server, max_streams=1) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            ok = await client.post("/v1/audio/speech", json=_body(SECRET_TEXT), headers={"X-Request-Id": "call-42.a_B"})
+            assert ok.status_code == 200 and ok.headers["x-request-id"] == "call-42.a_B"
+            generated = await client.post("/v1/audio/speech", json=_body(SECRET_TEXT))
+            assert len(generated.headers["x-request-id"]) == 32
+            for unsafe in ("has space", "x" * 65, "semi;colon", "<script>"):
+                r = await client.get("/health", headers={"X-Request-Id": unsafe})
+                assert r.headers["x-request-id"] != unsafe and len(r.headers["x-request-id"]) == 32
+            errors = [
+                await client.post("/v1/audio/speech", json=_body(voice="bob")),
+                await client.post("/v1/audio/speech", json={"model": "gpt-9", "input": "hi"}),
+                await client.post("/v1/audio/speech", content=b"{nope", headers={"content-type": "application/json"}),
+                await client.post("/v1/audio/speech", content=b"x" * 70_000, headers={"content-type": "application/json"}),
+                await client.get("/no/such/path"),
+            ]
+            assert [r.status_code for r in errors] == [400, 404, 400, 413, 404]
+            assert all(len(r.headers["x-request-id"]) == 32 for r in errors)
+            async with client.stream("POST", "/v1/audio/speech", json=_body()) as held:
+                busy = await client.post("/v1/audio/speech", json=_body(), headers={"X-Request-Id": "busy-1"})
+                assert busy.status_code == 429 and busy.headers["x-request-id"] == "busy-1"
+                await held.aread()
+    mine = [r for r in caplog.records if getattr(r, "request_id", None) == "call-42.a_B"]
+    assert any(r.name == "llm_server.api" and "speech:" in r.getMessage() for r in mine)
+    assert any(r.name == "uvicorn.access" for r in mine), "the server's access line carries the id too"
+    assert SECRET_TEXT not in caplog.text and "Zebra" not in caplog.text
+
+
+async def test_input_text_is_logged_only_when_asked(snac_server, caplog):
+    caplog.set_level(logging.INFO)
+    async with serving(snac_server, log_input_text=True) as served, httpx.AsyncClient(base_url=served.url) as client:
+        assert (await client.post("/v1/audio/speech", json=_body(SECRET_TEXT), timeout=30)).status_code == 200
+    assert SECRET_TEXT in caplog.text

@@ -1,0 +1,75 @@
+"""SIGTERM drains an LLM worker: the stream in flight completes, new connections are refused
+meanwhile, and the process exits 0. A real vLLM worker (tiny model) and a real codec replica."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from processes import llm_process, scrape, snac_process, wait_http_ready, wait_snac_serving
+
+BODY = {"model": "tts-1", "input": "Draining should let this sentence finish before the worker exits.",
+        "voice": "leo", "response_format": "pcm", "seed": 4242}
+
+
+@pytest.fixture
+def worker(tmp_path):
+    replica = snac_process().start(tmp_path)
+    proc = llm_process([replica.port], "--grace-s", "120").start(tmp_path)
+    try:
+        wait_snac_serving(replica)
+        wait_http_ready(proc)
+        yield proc
+    finally:
+        for p in (proc, replica):
+            p.stop(signal.SIGKILL if p is proc else signal.SIGTERM)
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(worker):
+    url = f"http://127.0.0.1:{worker.port}/v1/audio/speech"
+    # The same seed gives the same tokens: the undisturbed run says how long the audio must be.
+    before = scrape(worker.port, "orpheus_frames_total")
+    undisturbed = httpx.post(url, json=BODY, timeout=300).content
+    frames = scrape(worker.port, "orpheus_frames_total") - before
+    assert frames > 0 and len(undisturbed) == 2 * 2048 * frames
+
+    audio, errors, flowing = bytearray(), [], threading.Event()
+
+    def listen() -> None:
+        try:
+            with httpx.stream("POST", url, json=BODY, timeout=300) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_raw():
+                    audio.extend(chunk)
+                    flowing.set()
+        except Exception as exc:  # reported by the main thread
+            errors.append(exc)
+            flowing.set()
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    assert flowing.wait(120) and not errors, errors
+    worker.popen.send_signal(signal.SIGTERM)
+
+    refused_at = time.monotonic()
+    refused = False
+    while time.monotonic() - refused_at < 5 and not refused:
+        try:
+            httpx.get(f"http://127.0.0.1:{worker.port}/ready", timeout=2)
+            time.sleep(0.05)  # the listener closes within a tick of the signal
+        except httpx.ConnectError:
+            refused = True
+    assert refused, "new connections still accepted while draining"
+    assert listener.is_alive() or len(audio) == len(undisturbed), "the stream ended before the drain could be seen"
+
+    listener.join(180)
+    assert not errors, errors
+    assert len(audio) == len(undisturbed), f"{len(audio)} bytes after the drain, {len(undisturbed)} undisturbed"
+    assert np.abs(np.frombuffer(bytes(audio), "<i2").astype(np.int32)).max() > 0
+    assert worker.popen.wait(60) == 0, worker.tail()
+    assert "draining in-flight streams" in worker.log.read_text()
