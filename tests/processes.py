@@ -116,3 +116,14 @@ def wait_metric_zero(port: int, name: str, within_s: float) -> float:
     while (value := scrape(port, name)) > 0 and time.perf_counter() < deadline:
         time.sleep(0.05)
     return value
+
+
+def hang(proc: Proc) -> None:
+    """SIGSTOP a server: hung, not dead. Its sockets stay open and the kernel still accepts connections."""
+    proc.popen.send_signal(signal.SIGSTOP)
+
+
+def unhang(proc: Proc) -> None:
+    """SIGCONT a server stopped by hang() (a stopped process ignores SIGTERM until then)."""
+    if proc.alive():
+        proc.popen.send_signal(signal.SIGCONT)
