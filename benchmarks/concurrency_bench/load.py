@@ -97,6 +97,7 @@ class Request:
     cut: bool = False  # still open when the level ended (cancelled, never judged)
     audible_offset: int | None = None  # audio byte offset of the first audible sample
     audio_bytes: int = 0
+    pcm: bytearray | None = None  # the audio itself, kept only when set to a bytearray (soak's replay check)
     _scanned: int = 0
     _tail: bytes = b""
     _counts: Counts | None = None  # cached once ended
@@ -104,6 +105,8 @@ class Request:
     def feed(self, t: float, data: bytes, threshold: int) -> None:
         self.chunks.append((t, len(data)))
         self.audio_bytes += len(data)
+        if self.pcm is not None:
+            self.pcm += data
         if self.audible_offset is not None:
             return
         buf = self._tail + data

@@ -1,0 +1,693 @@
+"""Soak: the local CPU stack at most of its capacity for a set time. Is any audio lost, does anything fail,
+does memory grow?
+
+Starts `megapod up` on free ports (LocalStack, as the concurrency benchmark does), warms it up, then
+drives `--concurrency` closed-loop streams (the concurrency benchmark's load client and corpus)
+through the front endpoint for `--minutes`, with the worker's admission cap set to that
+concurrency, plus a trickle of over-cap probes (and, with `--disconnect-every-s`, clients that
+leave mid-stream). At the end no new request is sent and every one in flight runs to its end.
+
+Reported (JSON, default benchmarks/results/soak-cpu.json, and a one-screen summary):
+
+- streams served, errors by kind (HTTP status or exception), over-cap probes (429 + Retry-After +
+  OpenAI error shape, and how fast);
+- audio lost: 2048 samples per frame the workers generated (`orpheus_frames_total` deltas) against
+  the samples the clients received; exact when no stream was cut. Per stream: every reply is whole
+  frames, and a few replies are replayed on the idle stack with the same seed (same length, same
+  audio to s16 rounding);
+- memory (RSS) of every process of the stack, vLLM's children included: after warm-up, at the end,
+  peak, growth, and MB/hour from a linear fit over periodic samples;
+- provenance (versions, git commit, CPU, machine load) and the cores each part used.
+
+Exit status 1 when audio was lost, errors passed `--max-error-share`, a probe was not refused
+properly, a process died, or the stack did not end idle and healthy. Run from the repository root:
+
+    .venv/bin/python benchmarks/soak.py --minutes 10
+    .venv/bin/python benchmarks/soak.py --minutes 0.5 --out /tmp/soak.json     # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+for _path in (REPO_ROOT, BENCH_DIR):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from concurrency_bench import report  # noqa: E402
+from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
+from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request  # noqa: E402
+from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles  # noqa: E402
+from concurrency_bench.stack import LocalStack, _gauge, cpu_cores, cpu_snapshot  # noqa: E402
+from provenance import timestamp  # noqa: E402
+
+SAMPLES_PER_FRAME = 2048
+SAMPLE_BYTES = 2
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0, help="how long new requests are sent (fractions allowed)")
+    p.add_argument("--concurrency", type=int, default=2,
+                   help="closed-loop streams; the concurrency benchmark found N_max 1-2 on a 2-core CPU")
+    p.add_argument("--max-streams", type=int, default=None,
+                   help="the worker's admission cap (default: the concurrency, +1 with --disconnect-every-s)")
+    p.add_argument("--probe-every-s", type=float, default=3.0,
+                   help="an over-cap request this often (0: none); with --disconnect-every-s, one per leaving client")
+    p.add_argument("--disconnect-every-s", type=float, default=0.0,
+                   help="a client that leaves after its first audio this often (0: none; cut streams make the "
+                        "audio check a bound instead of an equality)")
+    p.add_argument("--kinds", default="short,medium", help="utterance kinds of the corpus to speak")
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--megapod-args", default="--replicas 2 --enforce-eager true", help="more `megapod up` flags")
+    p.add_argument("--memory-every-s", type=float, default=5.0, help="RSS sampling period")
+    p.add_argument("--replays", type=int, default=3, help="replies replayed at the end with the same seed (0: none)")
+    p.add_argument("--overload", action="store_true",
+                   help="after the soak: the admitted streams' pace alone and under a flood of over-cap requests")
+    p.add_argument("--overload-rounds", type=int, default=2, help="alone/flooded pairs of --overload")
+    p.add_argument("--flood-burst", type=int, default=20, help="concurrent over-cap requests per burst of the flood")
+    p.add_argument("--max-error-share", type=float, default=0.01, help="failed requests allowed, as a share")
+    p.add_argument("--drain-timeout-s", type=float, default=300.0, help="wait this long for in-flight requests")
+    p.add_argument("--read-timeout-s", type=float, default=120.0)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "soak-cpu.json")
+    p.add_argument("--keep-logs", action="store_true", help="keep the stack's logs (their folder is printed)")
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.concurrency < 1:
+        p.error("--minutes must be > 0 and --concurrency >= 1")
+    if args.max_streams is None:
+        args.max_streams = args.concurrency + (1 if args.disconnect_every_s > 0 else 0)
+    return args
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+class MemoryWatch:
+    """RSS of every process under the launcher, sampled in a thread of its own (no client event-loop lag)."""
+
+    def __init__(self, stack: LocalStack, period_s: float) -> None:
+        self.stack, self.period_s = stack, period_s
+        self.samples: list[tuple[float, dict[str, float]]] = []  # (seconds since start, {label: MB})
+        self.labels: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+
+    def start(self) -> MemoryWatch:
+        self.t0 = time.perf_counter()
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()  # the end point is taken after the drain
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def sample(self) -> None:
+        row = {}
+        for proc in self._tree():
+            try:
+                row[self._label(proc)] = proc.memory_info().rss / 2**20
+            except psutil.Error:
+                pass  # gone between listing and reading
+        self.samples.append((time.perf_counter() - self.t0, row))
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.stack.popen.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def _label(self, proc: psutil.Process) -> str:
+        """front | llm-0 | snac-1 | llm-0/VLLM::EngineCore: names that survive a restart (pids do not)."""
+        if proc.pid not in self.labels:
+            self.labels[proc.pid] = self._name(proc)
+        return self.labels[proc.pid]
+
+    def _name(self, proc: psutil.Process) -> str:
+        if proc.pid == self.stack.popen.pid:
+            return "front"  # `megapod up`: the launcher and the front endpoint in one process
+        cfg = self.stack.config
+        tops = {**{f"llm-{i}": p for i, p in enumerate(cfg.worker_ports())},
+                **{f"snac-{j}": p for j, p in enumerate(cfg.snac_ports())}}
+        try:
+            argv = proc.cmdline()
+            name = next((name for name, port in tops.items() if "-m" in argv and str(port) in argv
+                         and argv[argv.index("-m") + 1] == name.split("-")[0] + "_server"), None)
+            if name is None:  # vLLM names its processes (VLLM::EngineCore); others go by executable
+                title = argv[0] if argv and not argv[0].startswith("/") else proc.name()
+                name = f"{self._label(proc.parent())}/{title.split()[0]}"
+        except (psutil.Error, IndexError, AttributeError):
+            return f"pid {proc.pid}"
+        taken = set(self.labels.values())  # a restarted process gets a new label: the old one shows as gone
+        return name if name not in taken else f"{name}#{proc.pid}"
+
+    def summary(self) -> dict[str, Any]:
+        labels = sorted({k for _, row in self.samples for k in row})
+        per = {k: _series_summary([(t, row[k]) for t, row in self.samples if k in row]) for k in labels}
+        end_t = self.samples[-1][0]
+        for k, s in per.items():  # a process missing from the last sample died (or was replaced)
+            s["alive_at_end"] = k in self.samples[-1][1]
+        groups = {"stack total": lambda k: True}
+        for top in labels:
+            if "/" not in top:
+                groups[f"{top} (with children)"] = lambda k, top=top: k == top or k.startswith(top + "/")
+        totals = {name: _series_summary([(t, sum(v for k, v in row.items() if match(k))) for t, row in self.samples])
+                  for name, match in groups.items()}
+        return {"period_s": self.period_s, "samples": len(self.samples), "span_s": round(end_t, 1),
+                "processes": per, "groups": totals}
+
+
+def _series_summary(points: list[tuple[float, float]]) -> dict[str, Any]:
+    """Start, end, peak, growth and a least-squares slope (MB/hour), overall and over the second half
+    (the first minutes hold allocator and cache warm-up; a leak keeps its slope in the second half)."""
+    ts = np.array([t for t, _ in points])
+    mb = np.array([v for _, v in points])
+    out = {"start_mb": round(float(mb[0]), 1), "end_mb": round(float(mb[-1]), 1), "peak_mb": round(float(mb.max()), 1),
+           "growth_mb": round(float(mb[-1] - mb[0]), 1), "mb_per_hour": _slope(ts, mb), "mb_per_hour_second_half": None}
+    half = ts >= (ts[0] + ts[-1]) / 2
+    out["mb_per_hour_second_half"] = _slope(ts[half], mb[half])
+    return out
+
+
+def _slope(ts: np.ndarray, mb: np.ndarray) -> float | None:
+    if len(ts) < 3 or ts[-1] - ts[0] <= 0:
+        return None
+    return round(float(np.polyfit(ts / 3600.0, mb, 1)[0]), 1)
+
+
+# -- the load -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """One trickle request: an over-cap probe (should be refused) or a client that leaves early."""
+
+    kind: str  # over-cap | disconnect
+    sent_s: float
+    status: int | None = None
+    latency_s: float | None = None  # request sent -> response headers
+    retry_after: str | None = None
+    openai_error: bool = False  # {"error": {"message", "type", "code"}}
+    audio_bytes: int = 0
+    ended_s: float | None = None
+    error: str | None = None
+    cut: bool = False  # left while the server was still sending (by design for disconnects)
+
+
+class SoakLevel(Level):
+    """The concurrency benchmark's closed-loop level, run for a fixed time and then drained, never cut:
+    exact audio accounting needs every request that got audio to run to its end."""
+
+    def __init__(self, endpoint: Endpoint, shape: LoadShape, corpus: Corpus, n: int, duration_s: float,
+                 probe_every_s: float, disconnect_every_s: float, drain_timeout_s: float) -> None:
+        # Targets only feed the progress line here: the soak judges audio, errors and memory.
+        super().__init__(endpoint, shape, Targets(ttfa_s=60.0, buffer_s=60.0, pace=0.1), corpus, n)
+        self.duration_s, self.drain_timeout_s = duration_s, drain_timeout_s
+        self.probe_every_s, self.disconnect_every_s = probe_every_s, disconnect_every_s
+        self.probes: list[Probe] = []
+        self.drained: bool | None = None
+
+    def _new_request(self, stream: int, seq: int) -> tuple[Request, str]:
+        req, text = super()._new_request(stream, seq)
+        if seq == 0 or seq & (seq - 1) == 0:  # keep the audio of requests 0, 1, 2, 4, 8...: replay candidates
+            req.pcm = bytearray()
+        return req, text
+
+    async def _watch(self) -> str:
+        """Run for duration_s with the trickles on; then send nothing new and let everything end."""
+        trickles = []
+        if self.probe_every_s > 0 and self.disconnect_every_s <= 0:
+            trickles.append(asyncio.create_task(self._trickle("over-cap", self.probe_every_s)))
+        if self.disconnect_every_s > 0:  # each leaving client sends the over-cap probe (see _probe)
+            trickles.append(asyncio.create_task(self._trickle("disconnect", self.disconnect_every_s)))
+        end = self.t0 + self.duration_s
+        while time.perf_counter() < end:
+            await asyncio.sleep(0.5)
+            now = time.perf_counter()
+            self.progress.update(self._status(now, self._live_counts(now)))
+        self.closed_at = time.perf_counter()
+        self.stop.set()
+        deadline = self.closed_at + self.drain_timeout_s
+        while time.perf_counter() < deadline and not self._all_ended():
+            await asyncio.sleep(0.5)
+            now = time.perf_counter()
+            self.progress.update("draining: " + self._status(now, self._live_counts(now)))
+        self.drained = self._all_ended()
+        for task in trickles:
+            task.cancel()
+        await asyncio.gather(*trickles, return_exceptions=True)
+        return "complete" if self.drained else "drain timeout"
+
+    def _all_ended(self) -> bool:
+        return all(r.ended_s is not None for r in self.requests) and all(p.ended_s is not None for p in self.probes)
+
+    async def _trickle(self, kind: str, every_s: float) -> None:
+        """Requests of one kind at random moments (exponential gaps, mean every_s), each on its own task."""
+        rng = random.Random(f"{self.shape.seed}-{kind}")
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=self.shape.read_timeout_s),
+                                     trust_env=False) as client:
+            pending: set[asyncio.Task] = set()
+            while not self.stop.is_set():
+                await asyncio.sleep(rng.expovariate(1.0 / every_s))
+                if self.stop.is_set():
+                    break
+                task = asyncio.create_task(self._probe(client, kind))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            await asyncio.gather(*pending, return_exceptions=True)  # admitted probes run to their end
+
+    async def _probe(self, client: httpx.AsyncClient, kind: str, tries: int = 5) -> None:
+        """One trickle request. A leaving client holds the spare slot (the cap is one above the streams), so
+        it sends the over-cap probe itself before it leaves: a probe of its own could take that slot and
+        starve the disconnects. Refused (a stream's gap), it retries after Retry-After."""
+        probe = Probe(kind, time.perf_counter())
+        self.probes.append(probe)
+        k = len(self.probes)
+        utterance = self.corpus.pick(10_000 + k, 0)
+        body = self.endpoint.body(utterance.text, self.shape.seed + 10_000_000 + k)
+        try:
+            async with client.stream("POST", f"{self.endpoint.url}/v1/audio/speech", json=body) as reply:
+                probe.status, probe.latency_s = reply.status_code, time.perf_counter() - probe.sent_s
+                probe.retry_after = reply.headers.get("retry-after")
+                if reply.status_code != 200:
+                    probe.openai_error = _openai_error(await reply.aread())
+                else:
+                    # Admitted (a slot was free for a moment): a real stream now, its audio counts.
+                    async for data in reply.aiter_raw():
+                        probe.audio_bytes += len(data)
+                        if probe.kind == "disconnect":
+                            if self.probe_every_s > 0:
+                                await self._probe(client, "over-cap")  # every slot is held now
+                            probe.cut = True  # leave with the server mid-stream: it must abort and free the slot
+                            break
+        except httpx.HTTPError as exc:
+            probe.error = f"{type(exc).__name__}: {exc}"[:300]
+        probe.ended_s = time.perf_counter()
+        if kind == "disconnect" and probe.status == 429 and tries > 1 and not self.stop.is_set():
+            await asyncio.sleep(1.0)
+            await self._probe(client, kind, tries - 1)
+
+
+def _openai_error(body: bytes) -> bool:
+    try:
+        error = json.loads(body)["error"]
+        return all(isinstance(error.get(k), str) and error[k] for k in ("message", "type", "code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+# -- the stack's own counters --------------------------------------------------------------------
+
+
+async def worker_metric(stack: LocalStack, name: str) -> float:
+    """A counter or gauge summed over every worker."""
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        texts = [(await client.get(f"http://{stack.config.host}:{p}/metrics")).text
+                 for p in stack.config.worker_ports()]
+    return sum(_gauge(t, name) for t in texts)
+
+
+async def health(stack: LocalStack) -> dict[str, Any]:
+    """/health and /ready of the front and every worker, and the launcher still running."""
+    host, out = stack.config.host, {"launcher_running": stack.popen.poll() is None}
+    urls = {"front": stack.url, **{f"llm-{i}": f"http://{host}:{p}" for i, p in enumerate(stack.config.worker_ports())}}
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        for name, url in urls.items():
+            try:
+                out[name] = [(await client.get(f"{url}/{path}")).status_code for path in ("health", "ready")]
+            except httpx.HTTPError as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+    out["ok"] = out["launcher_running"] and all(v == [200, 200] for k, v in out.items() if k not in
+                                                ("launcher_running", "ok"))
+    return out
+
+
+async def warm_up(endpoint: Endpoint, corpus: Corpus, streams: int, rounds: int, read_timeout_s: float) -> None:
+    """Untimed rounds of `streams` concurrent short requests, so vLLM and every codec replica (streams go
+    round robin) have served before memory is first read. A replica's RSS still rose by 0.4-0.7 GB over
+    its first minute of the soak in our runs (new batch and window shapes), then levelled off: read the
+    second-half slope."""
+    shortest = sorted(corpus.utterances, key=lambda u: len(u.text))
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        reply = await client.post(f"{endpoint.url}/v1/audio/speech", json=endpoint.body(shortest[i].text, i))
+        if reply.status_code != 200 or not reply.content:
+            raise RuntimeError(f"warm-up request got HTTP {reply.status_code}: {reply.text[:300]}")
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
+        for r in range(rounds):
+            await asyncio.gather(*(one(client, r * streams + i) for i in range(streams)))
+
+
+async def replay(endpoint: Endpoint, corpus: Corpus, shape: LoadShape, requests: list[Request], count: int,
+                 read_timeout_s: float) -> list[dict[str, Any]]:
+    """Per-stream check: the latest kept replies again, one at a time on the idle stack, same text and seed.
+    Same tokens give the same number of frames, and the same audio to s16 rounding (chunking may differ)."""
+    kept = [r for r in requests if r.completed and r.pcm]
+    chosen = sorted(kept, key=lambda r: r.sent_s)[-count:] if count else []
+    out = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
+        for r in chosen:
+            body = endpoint.body(corpus.pick(r.stream, r.seq).text, shape.seed + r.stream * 1000 + r.seq)
+            again = (await client.post(f"{endpoint.url}/v1/audio/speech", json=body)).content
+            a, b = np.frombuffer(bytes(r.pcm), "<i2"), np.frombuffer(again, "<i2")
+            n = min(len(a), len(b))
+            diff = int(np.abs(a[:n].astype(np.int32) - b[:n].astype(np.int32)).max()) if n else None
+            out.append({"stream": r.stream, "seq": r.seq, "utterance": r.utterance, "samples_under_load": len(a),
+                        "samples_replayed": len(b), "max_s16_diff": diff, "same": len(a) == len(b) and diff is not None
+                        and diff <= 2})
+    return out
+
+
+# -- --overload: the admitted streams alone and under a flood, side by side ------------------------
+
+
+async def overload(endpoint: Endpoint, corpus: Corpus, n: int, rounds: int, burst: int,
+                   read_timeout_s: float) -> dict[str, Any]:
+    """Rounds of: n requests (the cap) alone, then the same n (same texts and seeds) while bursts of
+    over-cap requests arrive until one of them ends. Alternating, so a drift of the machine hits both."""
+    runs = []
+    for r in range(rounds):
+        for flooded in (False, True):
+            run = await _admitted(endpoint, corpus, n, flooded, burst, read_timeout_s)
+            runs.append({"round": r, "flooded": flooded, **run})
+            print(f"overload round {r + 1}/{rounds} {'flooded' if flooded else 'alone'}: wall-s per audio-s "
+                  f"{[s['wall_s_per_audio_s'] for s in run['streams']]}", file=sys.stderr, flush=True)
+
+    def mean_rtf(flooded: bool) -> float | None:
+        v = [s["wall_s_per_audio_s"] for x in runs if x["flooded"] == flooded for s in x["streams"]
+             if s["wall_s_per_audio_s"] is not None]
+        return round(sum(v) / len(v), 3) if v else None
+
+    alone, flooded = mean_rtf(False), mean_rtf(True)
+    statuses = Counter(k for x in runs if x["flooded"] for k in x["flood"]["statuses"].elements())
+    return {"rounds": rounds, "burst": burst, "wall_s_per_audio_s_alone": alone, "wall_s_per_audio_s_flooded": flooded,
+            "flooded_over_alone": round(flooded / alone, 3) if alone and flooded else None,
+            "flood_statuses": dict(statuses), "runs": runs}
+
+
+async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, burst: int,
+                    read_timeout_s: float) -> dict[str, Any]:
+    streams = [{"sent": 0.0, "status": None, "first": None, "ended": None, "bytes": 0} for _ in range(n)]
+    admitted = [asyncio.Event() for _ in range(n)]
+
+    async def speak(i: int, client: httpx.AsyncClient) -> None:
+        s = streams[i]
+        body = endpoint.body(corpus.pick(20_000 + i, 0).text, 20_000 + i)
+        s["sent"] = time.perf_counter()
+        async with client.stream("POST", f"{endpoint.url}/v1/audio/speech", json=body) as reply:
+            s["status"] = reply.status_code
+            admitted[i].set()
+            async for data in reply.aiter_raw():
+                s["first"] = s["first"] or time.perf_counter()
+                s["bytes"] += len(data)
+        s["ended"] = time.perf_counter()
+
+    async def knock(client: httpx.AsyncClient) -> tuple[int | str, float]:
+        t = time.perf_counter()
+        try:
+            async with client.stream("POST", f"{endpoint.url}/v1/audio/speech",
+                                     json=endpoint.body("Is there room for one more?", 1)) as reply:
+                return reply.status_code, time.perf_counter() - t  # a 200 (a slot freed as a stream ended) is left
+        except httpx.HTTPError as exc:
+            return type(exc).__name__, time.perf_counter() - t
+
+    limits = httpx.Limits(max_connections=n + burst + 4, max_keepalive_connections=n + burst + 4)
+    knocks: list[tuple[int | str, float]] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), limits=limits,
+                                 trust_env=False) as client:
+        tasks = [asyncio.create_task(speak(i, client)) for i in range(n)]
+        if flooded:
+            await asyncio.gather(*(e.wait() for e in admitted))
+            while not any(t.done() for t in tasks):
+                knocks += await asyncio.gather(*(knock(client) for _ in range(burst)))
+        await asyncio.gather(*tasks)
+    out = {"streams": [{"status": s["status"], "audio_s": round(s["bytes"] / BYTES_PER_AUDIO_S, 2),
+                        "ttfa_s": round(s["first"] - s["sent"], 3) if s["first"] else None,
+                        "wall_s_per_audio_s": round((s["ended"] - s["sent"]) / (s["bytes"] / BYTES_PER_AUDIO_S), 3)
+                        if s["bytes"] else None} for s in streams]}
+    if flooded:
+        out["flood"] = {"requests": len(knocks), "statuses": Counter(str(k) for k, _ in knocks),
+                        "latency_s": _rounded(percentiles([t for _, t in knocks], (50, 95, 100)), 4)}
+    return out
+
+
+# -- judging --------------------------------------------------------------------------------------
+
+
+def error_kind(req: Request | Probe) -> str | None:
+    """None for success; otherwise 'HTTP 503', 'ReadTimeout', 'cut', 'partial frame'..."""
+    if req.status is not None and req.status != 200:
+        return f"HTTP {req.status}"
+    if req.error:
+        return req.error.split(":")[0]
+    if req.ended_s is None or getattr(req, "cut", False):
+        return "cut"
+    return None
+
+
+def audio_check(run: LevelRun, probes: list[Probe], frames: float) -> dict[str, Any]:
+    """Samples the workers generated (2048 per frame) against samples the clients received."""
+    delivered = sum(r.audio_bytes for r in run.requests) + sum(p.audio_bytes for p in probes)
+    cut = sum(1 for r in run.requests if r.cut or (r.error and r.audio_bytes)) + sum(1 for p in probes if p.cut)
+    partial = [f"{r.stream}/{r.seq}" for r in run.requests if r.completed and r.audio_bytes % (SAMPLES_PER_FRAME * 2)]
+    expected = int(round(frames)) * SAMPLES_PER_FRAME
+    got = delivered // SAMPLE_BYTES
+    out = {"frames_generated": int(round(frames)), "samples_expected": expected, "samples_delivered": got,
+           "samples_lost": expected - got, "audio_s_delivered": round(delivered / BYTES_PER_AUDIO_S, 2),
+           "streams_cut": cut, "replies_not_whole_frames": partial,
+           "exact": cut == 0}
+    # A stream cut on purpose had frames generated that nobody read: then only a bound holds.
+    out["ok"] = (expected == got if cut == 0 else got <= expected) and not partial
+    return out
+
+
+def judge(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
+    """Why the soak failed (empty: it passed)."""
+    why = []
+    audio, load, probes = result["audio"], result["load"], result["probes"]
+    if not audio["ok"]:
+        why.append(f"audio: {audio['samples_lost']} samples lost of {audio['samples_expected']} "
+                   f"({audio['streams_cut']} streams cut, {len(audio['replies_not_whole_frames'])} not whole frames)")
+    if load["errors"] > args.max_error_share * max(load["requests"], 1):
+        why.append(f"errors: {load['errors']} of {load['requests']} requests ({load['errors_by_kind']})")
+    if probes["over-cap"]["badly_refused"] or probes["other_errors"]:
+        why.append(f"over-cap probes: {probes['over-cap']['badly_refused']} refused without Retry-After or an "
+                   f"OpenAI error; errors {probes['other_errors']}")
+    if not result["drained"]:
+        why.append(f"requests still open {args.drain_timeout_s:.0f} s after the load stopped")
+    end = result["end_state"]
+    if end["active_streams"] != 0 or end["engine_unfinished"] != 0 or not end["health"]["ok"]:
+        why.append(f"end state: {end}")
+    dead = [k for k, v in result["memory"]["processes"].items() if "/" not in k and not v["alive_at_end"]]
+    if dead:
+        why.append(f"processes gone before the end: {dead}")
+    if any(not r["same"] for r in result["replays"]):
+        why.append("a replayed reply differs from the one under load")
+    if result["overload"]:
+        bad = {k: v for k, v in result["overload"]["flood_statuses"].items() if k not in ("429", "200")}
+        streams = [s["status"] for x in result["overload"]["runs"] for s in x["streams"]]
+        if bad or any(st != 200 for st in streams):
+            why.append(f"--overload: flood got {bad}, admitted streams got {streams}")
+    return why
+
+
+def load_summary(run: LevelRun, probes: list[Probe]) -> dict[str, Any]:
+    main = run.requests
+    kinds = Counter(k for r in main if (k := error_kind(r)))
+    refused = kinds.pop("HTTP 429", 0)  # a probe took the slot between two of our requests: expected
+    done = [r for r in main if r.completed]
+    ttfa = [r.chunks[0][0] - r.sent_s for r in done if r.chunks]
+    rtf = [(r.ended_s - r.sent_s) / (r.audio_bytes / BYTES_PER_AUDIO_S) for r in done if r.audio_bytes]
+    return {"requests": len(main), "served": len(done), "refused_429": refused, "errors": sum(kinds.values()),
+            "errors_by_kind": dict(kinds), "audio_s": round(sum(r.audio_bytes for r in done) / BYTES_PER_AUDIO_S, 1),
+            "audio_s_per_s": round(sum(r.audio_bytes for r in main) / BYTES_PER_AUDIO_S / run.wall_s, 3),
+            "ttfa_s": _rounded(percentiles(ttfa)), "wall_s_per_audio_s": _rounded(percentiles(rtf)),
+            "by_minute": by_minute(run)}
+
+
+def by_minute(run: LevelRun) -> list[dict[str, Any]]:
+    """Throughput and time to first audio per minute of the run: a slow drift is a soak finding too."""
+    rows: dict[int, dict[str, Any]] = {}
+    for r in run.requests:
+        for t, n in r.chunks:
+            rows.setdefault(int((t - run.t0) // 60), {"bytes": 0, "ttfa": []})["bytes"] += n
+        if r.chunks:
+            rows.setdefault(int((r.sent_s - run.t0) // 60), {"bytes": 0, "ttfa": []})["ttfa"].append(
+                r.chunks[0][0] - r.sent_s)
+    return [{"minute": m, "audio_s": round(v["bytes"] / BYTES_PER_AUDIO_S, 1),
+             "ttfa_s_p50": _rounded(percentiles(v["ttfa"], (50,)))["p50"]} for m, v in sorted(rows.items())]
+
+
+def probe_summary(probes: list[Probe]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("over-cap", "disconnect"):
+        ps = [p for p in probes if p.kind == kind]
+        refused = [p for p in ps if p.status == 429]
+        out[kind] = {"sent": len(ps), "refused_429": len(refused), "admitted": sum(1 for p in ps if p.status == 200),
+                     "left_mid_stream": sum(1 for p in ps if p.cut),
+                     "badly_refused": sum(1 for p in refused if not (p.retry_after and p.openai_error)),
+                     "refusal_latency_s": _rounded(percentiles([p.latency_s for p in refused], (50, 95, 100)), 4)}
+    out["other_errors"] = dict(Counter(k for p in probes if (k := error_kind(p)) not in (None, "cut", "HTTP 429")))
+    return out
+
+
+def _rounded(d: dict[str, float | None], digits: int = 3) -> dict[str, float | None]:
+    return {k: None if v is None else round(v, digits) for k, v in d.items()}
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> dict[str, Any]:
+    endpoint = Endpoint("soak", stack.url)
+    shape = LoadShape(stagger_s=2.0, warmup_s=0.0, window_s=0.0, max_level_s=10**9,
+                      read_timeout_s=args.read_timeout_s, seed=args.seed)
+    await warm_up(endpoint, corpus, args.concurrency, 2, args.read_timeout_s)
+    await stack.wait_idle()
+    frames_before = await worker_metric(stack, "orpheus_frames_total")
+    memory = MemoryWatch(stack, args.memory_every_s).start()  # "start" = after warm-up
+    cpu_before = cpu_snapshot([stack])
+    level = SoakLevel(endpoint, shape, corpus, args.concurrency, args.minutes * 60, args.probe_every_s,
+                      args.disconnect_every_s, args.drain_timeout_s)
+    run = await level.run_level()
+    idle_wait_s = await stack.wait_idle()
+    cores = cpu_cores(cpu_before, cpu_snapshot([stack]))
+    frames = await worker_metric(stack, "orpheus_frames_total") - frames_before
+    memory.stop()
+    end_state = {"active_streams": await worker_metric(stack, "orpheus_active_streams"),
+                 "engine_unfinished": await worker_metric(stack, "orpheus_engine_unfinished_requests"),
+                 "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
+    replays = await replay(endpoint, corpus, shape, run.requests, args.replays, args.read_timeout_s)
+    flood = await overload(endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
+                           args.read_timeout_s) if args.overload else None
+    return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run, level.probes),
+            "probes": probe_summary(level.probes), "audio": audio_check(run, level.probes, frames),
+            "replays": replays, "overload": flood, "memory": memory.summary(), "end_state": end_state, "cores": cores,
+            "client_loop_lag_ms": run.loop_lag_ms}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind like Ctrl-C: the stack gets stopped
+    t_start = time.perf_counter()
+    corpus = load_corpus(args.corpus, tuple(k.strip() for k in args.kinds.split(",")), args.seed)
+    log_dir = Path(tempfile.mkdtemp(prefix="soak-"))
+    flags = [*shlex.split(args.megapod_args), "--workers", "1", "--max-streams-per-worker", str(args.max_streams)]
+    stack = LocalStack("soak", flags, log_dir)
+    stack.plan(set())
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    failed = True
+    try:
+        print(f"starting: megapod {' '.join(stack.argv[3:])}", file=sys.stderr, flush=True)
+        stack.start()
+        print(f"ready after {stack.wait_ready():.0f} s; soaking {args.minutes:g} min at {args.concurrency} streams "
+              f"(cap {args.max_streams})", file=sys.stderr, flush=True)
+        measured = asyncio.run(soak(args, stack, corpus))
+        failed = False
+    finally:
+        if failed:
+            print(f"--- logs ({log_dir}) ---\n{stack.tail()}", file=sys.stderr)
+        stack.stop()
+        if args.keep_logs or failed:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    result = {
+        "benchmark": "soak",
+        "command": " ".join(["python", "benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+        "git_commit": report.git_commit(), "timestamp": timestamp(), "versions": report.versions(),
+        "machine": report.describe_machine(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "megapod_up": " ".join(["megapod", *stack.argv[3:]]), "topology": stack.topology,
+        "startup_s": round(stack.startup_s or 0, 1), "corpus": corpus.describe(),
+        "contention": {"load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        **measured,
+    }
+    result["failures"] = judge(args, result)
+    result["passed"] = not result["failures"]
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print_summary(result, args.out)
+    return 0 if result["passed"] else 1
+
+
+def print_summary(r: dict[str, Any], out: Path) -> None:
+    load, audio, probes, mem = r["load"], r["audio"], r["probes"], r["memory"]
+    oc = probes["over-cap"]
+    print(f"\nsoak {r['config']['minutes']:g} min, {r['config']['concurrency']} streams, cap "
+          f"{r['config']['max_streams']} ({r['machine']['cpu']}, {r['machine']['cores_usable']} cores; load "
+          f"{r['contention']['load_average_start'][0]} -> {r['contention']['load_average_end'][0]}; other processes "
+          f"{r['cores']['other_processes']} cores)")
+    print(f"  streams   {load['served']} served of {load['requests']}, {load['audio_s']} audio-s "
+          f"({load['audio_s_per_s']} audio-s/s); TTFA p50/p95 {load['ttfa_s']['p50']}/{load['ttfa_s']['p95']} s; "
+          f"wall-s per audio-s p50 {load['wall_s_per_audio_s']['p50']}")
+    print(f"  errors    {load['errors']} {load['errors_by_kind'] or ''}; "
+          f"our streams refused (429) {load['refused_429']}")
+    print(f"  over-cap  {oc['sent']} probes: {oc['refused_429']} refused (429; bad {oc['badly_refused']}), "
+          f"{oc['admitted']} admitted; refusal p50/p95/max {'/'.join(map(str, oc['refusal_latency_s'].values()))} s")
+    if probes["disconnect"]["sent"]:
+        d = probes["disconnect"]
+        print(f"  leaving   {d['left_mid_stream']} clients left mid-stream ({d['sent']} sent, "
+              f"{d['refused_429']} refused and retried)")
+    check = "exact" if audio["exact"] else f"bound ({audio['streams_cut']} streams cut)"
+    print(f"  audio     {audio['frames_generated']} frames x 2048 = {audio['samples_expected']} samples expected, "
+          f"{audio['samples_delivered']} delivered: lost {audio['samples_lost']} [{check}: "
+          f"{'OK' if audio['ok'] else 'FAIL'}]")
+    if r["replays"]:
+        same = sum(1 for x in r["replays"] if x["same"])
+        print(f"  replays   {same}/{len(r['replays'])} same length and audio (s16 diff <= 2) on the idle stack")
+    if r["overload"]:
+        o = r["overload"]
+        lat = [x["flood"]["latency_s"] for x in o["runs"] if x["flooded"]]
+        print(f"  overload  wall-s per audio-s of the admitted streams: alone {o['wall_s_per_audio_s_alone']}, "
+              f"flooded {o['wall_s_per_audio_s_flooded']} (x{o['flooded_over_alone']}); flood {o['flood_statuses']}, "
+              f"p95 {[x['p95'] for x in lat]} s")
+    print(f"  memory    RSS MB (after warm-up -> end, peak; MB/h fit over {mem['samples']} samples, second half)")
+    for name, s in {**mem["groups"], **mem["processes"]}.items():
+        print(f"    {name:<34s} {s['start_mb']:8.1f} -> {s['end_mb']:8.1f}  peak {s['peak_mb']:8.1f}  "
+              f"{s['growth_mb']:+7.1f} MB  {_fmt(s['mb_per_hour'])} MB/h ({_fmt(s['mb_per_hour_second_half'])})"
+              + ("" if s.get("alive_at_end", True) else "  GONE"))
+    end = r["end_state"]
+    print(f"  end       active streams {end['active_streams']:g}, engine requests {end['engine_unfinished']:g}, "
+          f"health {'OK' if end['health']['ok'] else end['health']}")
+    print(f"{'PASS' if r['passed'] else 'FAIL'}" + "".join(f"\n  - {w}" for w in r["failures"])
+          + f"\nwrote {out} ({r['wall_s']:.0f} s)")
+
+
+def _fmt(v: float | None) -> str:
+    return "   n/a" if v is None else f"{v:+6.0f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
