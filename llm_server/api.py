@@ -26,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import request_log
@@ -52,7 +53,7 @@ class SpeechBody(BaseModel):
     speed: float = 1.0
     stream_format: str = "audio"
     instructions: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the codec's noise seed is a uint64
 
 
 class ApiError(Exception):
@@ -77,6 +78,11 @@ def validate(body: SpeechBody, config: LlmServerConfig) -> str:
         raise ApiError(404, f"model {body.model!r} not found; this server speaks {list(config.model_names)}", "model", "model_not_found")
     if not body.input.strip():
         raise ApiError(400, "input is empty", "input")
+    if not body.input.isascii():
+        try:
+            body.input.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: no tokenizer takes it
+            raise ApiError(400, "input is not valid Unicode text (lone surrogate)", "input") from None
     if len(body.input) > config.max_input_chars:
         raise ApiError(400, f"input has {len(body.input)} characters; the limit is {config.max_input_chars}", "input", "input_too_long")
     voice = config.voice_map.get(body.voice)
@@ -126,6 +132,11 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (unknown path, wrong method, an unparseable body) in our error shape.
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -285,18 +296,24 @@ async def _speech(runtime: Runtime, config: LlmServerConfig, body: SpeechBody, r
     seed = body.seed if body.seed is not None else random.getrandbits(31)
     # The job id names engine and codec requests: unique even if clients reuse X-Request-Id.
     stream = runtime.pipeline.start(SpeechJob(f"speech-{uuid.uuid4().hex[:16]}", body.input, voice, seed))
+    # Watched from the start: a client gone before the first audio frees its slot at once.
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     audio = stream.__aiter__()
     try:
         first = await anext(audio, b"")
     except Exception as exc:
+        watcher.cancel()
         await audio.aclose()
         runtime.admission.release(key.name if key else None)
+        if watcher.done() and not watcher.cancelled():
+            _count(runtime, key, "disconnected")
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         _count(runtime, key, "error")
         log.error("%s failed before audio: %s", stream.job.request_id, exc)
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
     runtime.metrics.time_to_first_audio.observe(time.perf_counter() - started)
     pace = ClientPace(config.max_client_lag_s)
-    pcm = _serve_stream(runtime, stream, first, audio, request, pace, key)
+    pcm = _serve_stream(runtime, stream, first, audio, watcher, pace, key)
     # Started here (it yields `first`), not by the response: a started generator is always
     # finalized, so the slot and the engine request come back even if the client is gone before
     # the response is sent.
@@ -317,14 +334,13 @@ def _count(runtime: Runtime, key: ApiKey | None, outcome: str) -> None:
 
 
 async def _serve_stream(
-    runtime: Runtime, stream: SpeechStream, first: bytes, rest: AsyncIterator[bytes], request: Request,
+    runtime: Runtime, stream: SpeechStream, first: bytes, rest: AsyncIterator[bytes], watcher: asyncio.Task,
     pace: ClientPace, key: ApiKey | None,
 ) -> AsyncIterator[bytes]:
     """The audio, with the client watched for a disconnect and its pace, and the admission slot
     always returned. A failure after the first chunk is logged here, in one line, and re-raised
     as StreamFailed for the response to end the stream."""
     runtime.metrics.active_streams.inc()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
     outcome = "disconnected"
     try:
         pcm: bytes | None = first

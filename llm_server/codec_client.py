@@ -268,6 +268,9 @@ class CodecStream:
         loop = asyncio.get_running_loop()
         if self._reading is None:
             self._reading = asyncio.ensure_future(call.read())
+            # The wait starts now, not at the last chunk: our reader may have been held up (a
+            # slow HTTP client), and a replica only owes what it is being asked for.
+            self._stall_clock = max(self._stall_clock, loop.time())
         reading = self._reading
         while not reading.done():
             # Not owed: look again after a timeout's worth, since a send() may have started the clock.
