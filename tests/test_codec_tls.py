@@ -24,7 +24,7 @@ from snac_server.api import codec_pb2
 from snac_server.client import channel
 from snac_server.server import SERVICE_NAME, build_server
 
-x509 = pytest.importorskip("cryptography.x509")
+from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID

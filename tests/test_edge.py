@@ -167,6 +167,7 @@ async def _settled(served: Served, snac_server, baseline: set[asyncio.Task], wit
             if leaked:
                 readings["leaked"] = [repr(t.get_coro()) for t in leaked]
             return readings
+        await asyncio.sleep(0.05)  # the server runs on this loop: let it work
 
 
 async def _baseline(served: Served, snac_server) -> set[asyncio.Task]:
@@ -288,38 +289,44 @@ async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_au
 # --- clients leaving at random points ---------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="open: on a loaded 2-core box 1-2 of 20 streams stay held (watcher sees no "
-                   "disconnect, codec read pending); not yet diagnosed - see the edge report")
 async def test_random_disconnects_release_everything(snac_server):
     engine = ScriptedEngineDouble(frames=60, batch_delay_s=0.004)
     rng = random.Random(7)
+    loop = asyncio.get_running_loop()
     async with serving(snac_server, engine) as served:
         baseline = await _baseline(served, snac_server)
-        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
 
-            async def leave_while_reading(limit: int) -> None:
-                async with client.stream("POST", "/v1/audio/speech", json=_body(response_format=rng.choice(["wav", "pcm"]))) as r:
-                    got = 0
-                    async for chunk in r.aiter_raw():
-                        got += len(chunk)
-                        if got >= limit:
-                            return  # leaving the block closes the connection mid-body
-
-            async def leave_before_headers(after_s: float) -> None:
-                # A socket of our own, closed for sure: a cancelled httpx request can leave its
-                # connection open (a silent client, not a disconnect).
-                sock = await _open_raw(served.port, _body())
-                await asyncio.sleep(after_s)
+        async def leave_while_reading(limit: int) -> None:
+            # A raw socket, closed for sure once `limit` body bytes are in: httpx's pooled
+            # connection stayed open after an early exit here (seen: server CLOSE-WAIT only
+            # after a gc), which is a silent client, not a disconnect.
+            sock = await _open_raw(served.port, _body(response_format=rng.choice(["wav", "pcm"])))
+            try:
+                head, got = await _read_head(sock)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                while len(got) < limit:
+                    chunk = await loop.sock_recv(sock, 65536)
+                    if not chunk:
+                        return  # the whole response came first
+                    got += chunk
+            finally:
                 sock.close()
 
-            for round_ in range(5):
-                clients = []
-                for _ in range(4):
-                    if rng.random() < 0.3:
-                        clients.append(leave_before_headers(rng.uniform(0.0, 0.15)))
-                    else:
-                        clients.append(leave_while_reading(rng.choice([1, 4096, 30_000, 100_000, 300_000])))
-                await asyncio.gather(*clients)
+        async def leave_before_headers(after_s: float) -> None:
+            # A socket of our own, closed for sure: a cancelled httpx request can leave its
+            # connection open (a silent client, not a disconnect).
+            sock = await _open_raw(served.port, _body())
+            await asyncio.sleep(after_s)
+            sock.close()
+
+        for round_ in range(5):
+            clients = []
+            for _ in range(4):
+                if rng.random() < 0.3:
+                    clients.append(leave_before_headers(rng.uniform(0.0, 0.15)))
+                else:
+                    clients.append(leave_while_reading(rng.choice([1, 4096, 30_000, 100_000, 300_000])))
+            await asyncio.gather(*clients)
         readings = await _settled(served, snac_server, baseline, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
         assert readings == dict.fromkeys(readings, 0), readings
         assert served.runtime.admission.active == 0
@@ -370,7 +377,7 @@ async def test_a_real_time_reader_is_never_cut_off(snac_server):
                 if len(raw) >= allowed:
                     await asyncio.sleep(0.02)
                     continue
-                chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10)
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), 60)  # generous: a loaded CPU decodes slowly
                 assert chunk, "the server closed a real-time reader's stream"
                 raw += chunk
             elapsed = loop.time() - started
