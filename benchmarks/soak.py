@@ -165,7 +165,7 @@ class MemoryWatch:
             if name is None:  # vLLM names its processes (VLLM::EngineCore); others go by executable
                 title = argv[0] if argv and not argv[0].startswith("/") else proc.name()
                 name = f"{self._label(proc.parent())}/{title.split()[0]}"
-        except (psutil.Error, IndexError, AttributeError):
+        except (IndexError, AttributeError):  # psutil.Error goes up: sample() skips a process that left
             return f"pid {proc.pid}"
         taken = set(self.labels.values())  # a restarted process gets a new label: the old one shows as gone
         return name if name not in taken else f"{name}#{proc.pid}"
@@ -238,7 +238,7 @@ class SoakLevel(Level):
 
     def _new_request(self, stream: int, seq: int) -> tuple[Request, str]:
         req, text = super()._new_request(stream, seq)
-        if seq == 0 or seq & (seq - 1) == 0:  # keep the audio of requests 0, 1, 2, 4, 8...: replay candidates
+        if seq & (seq - 1) == 0:  # keep the audio of requests 0, 1, 2, 4, 8...: replay candidates
             req.pcm = bytearray()
         return req, text
 
@@ -354,8 +354,8 @@ async def health(stack: LocalStack) -> dict[str, Any]:
 async def warm_up(endpoint: Endpoint, corpus: Corpus, streams: int, rounds: int, read_timeout_s: float) -> None:
     """Untimed rounds of `streams` concurrent short requests, so vLLM and every codec replica (streams go
     round robin) have served before memory is first read. A replica's RSS still rose by 0.4-0.7 GB over
-    its first minute of the soak in our runs (new batch and window shapes), then levelled off: read the
-    second-half slope."""
+    its first minute of the soak in our runs (new batch and window shapes) and kept rising, more slowly,
+    over the 10-minute run: read the second-half slope."""
     shortest = sorted(corpus.utterances, key=lambda u: len(u.text))
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
@@ -368,17 +368,21 @@ async def warm_up(endpoint: Endpoint, corpus: Corpus, streams: int, rounds: int,
             await asyncio.gather(*(one(client, r * streams + i) for i in range(streams)))
 
 
-async def replay(endpoint: Endpoint, corpus: Corpus, shape: LoadShape, requests: list[Request], count: int,
-                 read_timeout_s: float) -> list[dict[str, Any]]:
+async def replay(endpoint: Endpoint, corpus: Corpus, shape: LoadShape, requests: list[Request],
+                 count: int) -> list[dict[str, Any]]:
     """Per-stream check: the latest kept replies again, one at a time on the idle stack, same text and seed.
     Same tokens give the same number of frames, and the same audio to s16 rounding (chunking may differ)."""
     kept = [r for r in requests if r.completed and r.pcm]
     chosen = sorted(kept, key=lambda r: r.sent_s)[-count:] if count else []
     out = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=shape.read_timeout_s), trust_env=False) as client:
         for r in chosen:
             body = endpoint.body(corpus.pick(r.stream, r.seq).text, shape.seed + r.stream * 1000 + r.seq)
-            again = (await client.post(f"{endpoint.url}/v1/audio/speech", json=body)).content
+            reply = await client.post(f"{endpoint.url}/v1/audio/speech", json=body)
+            if reply.status_code != 200:  # an error body is not audio to compare
+                out.append({"stream": r.stream, "seq": r.seq, "status": reply.status_code, "same": False})
+                continue
+            again = reply.content
             a, b = np.frombuffer(bytes(r.pcm), "<i2"), np.frombuffer(again, "<i2")
             n = min(len(a), len(b))
             diff = int(np.abs(a[:n].astype(np.int32) - b[:n].astype(np.int32)).max()) if n else None
@@ -470,7 +474,7 @@ def error_kind(req: Request | Probe) -> str | None:
         return f"HTTP {req.status}"
     if req.error:
         return req.error.split(":")[0]
-    if req.ended_s is None or getattr(req, "cut", False):
+    if req.ended_s is None or req.cut:
         return "cut"
     return None
 
@@ -521,7 +525,7 @@ def judge(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     return why
 
 
-def load_summary(run: LevelRun, probes: list[Probe]) -> dict[str, Any]:
+def load_summary(run: LevelRun) -> dict[str, Any]:
     main = run.requests
     kinds = Counter(k for r in main if (k := error_kind(r)))
     refused = kinds.pop("HTTP 429", 0)  # a probe took the slot between two of our requests: expected
@@ -587,10 +591,10 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     end_state = {"active_streams": await worker_metric(stack, "orpheus_active_streams"),
                  "engine_unfinished": await worker_metric(stack, "orpheus_engine_unfinished_requests"),
                  "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
-    replays = await replay(endpoint, corpus, shape, run.requests, args.replays, args.read_timeout_s)
+    replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
     flood = await overload(endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
                            args.read_timeout_s) if args.overload else None
-    return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run, level.probes),
+    return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run),
             "probes": probe_summary(level.probes), "audio": audio_check(run, level.probes, frames),
             "replays": replays, "overload": flood, "memory": memory.summary(), "end_state": end_state, "cores": cores,
             "client_loop_lag_ms": run.loop_lag_ms}

@@ -19,10 +19,6 @@ class AdmissionController:
         self.active = 0
         self.active_per_key: dict[str, int] = {}
 
-    def try_admit(self) -> bool:
-        """Take a slot if one is free."""
-        return self.admit() is None
-
     def admit(self, key: str | None = None, key_limit: int = 0) -> str | None:
         """Take a slot (and one of `key`'s, if it has a limit); None when admitted, else which
         cap refused: KEY or WORKER."""

@@ -35,6 +35,7 @@ from .admission import KEY
 from .audio_format import FORMATS, MEDIA_TYPES, STREAM_FORMATS, SAMPLE_BYTES, SAMPLE_RATE, sse_delta, sse_done, streaming_wav_header
 from .auth import ApiKey, ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
+from .errors import error_response
 from .config import LlmServerConfig
 from .runtime import Runtime
 from .speech import SpeechJob, SpeechStream
@@ -63,13 +64,6 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def validate(body: SpeechBody, config: LlmServerConfig) -> str:
@@ -136,7 +130,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own refusals (unknown path, wrong method, an unparseable body) in our error shape.
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -214,11 +208,15 @@ class ClientPace:
         self._since = None
         self.accepted_s += audio_s
 
+    def kept_waiting_s(self) -> float:
+        """All the time the client has kept us waiting, the current wait included."""
+        return self.blocked_s + (time.monotonic() - self._since if self._since is not None else 0.0)
+
     def time_left(self) -> float | None:
         """How much longer the current wait may last before the client is over its lag; None when not waiting."""
         if self._since is None:
             return None
-        return self.max_lag_s + self.accepted_s - self.blocked_s - (time.monotonic() - self._since)
+        return self.max_lag_s + self.accepted_s - self.kept_waiting_s()
 
 
 class SpeechResponse(StreamingResponse):
@@ -258,7 +256,7 @@ class SpeechResponse(StreamingResponse):
         except TimeoutError:
             p = self.pace
             log.warning("client too slow: kept the stream waiting %.1f s for %.1f s of audio (limit %.1f s behind); cut off",
-                        p.blocked_s + (time.monotonic() - p._since), p.accepted_s, p.max_lag_s)
+                        p.kept_waiting_s(), p.accepted_s, p.max_lag_s)
             raise ClientTooSlow from None
 
 
@@ -268,13 +266,11 @@ def _admit(runtime: Runtime, config: LlmServerConfig, key: ApiKey | None) -> Non
     if refused is None:
         return
     runtime.metrics.requests.labels("refused").inc()
-    if refused == KEY:
-        runtime.metrics.key_requests.labels(key.name, "refused_key").inc()
-        raise ApiError(429, f"API key {key.name!r} is at its limit of {key.max_streams} concurrent streams; retry shortly",
-                       code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    by_key = refused == KEY
     if key is not None:
-        runtime.metrics.key_requests.labels(key.name, "refused").inc()
-    raise ApiError(429, f"server is at its limit of {config.max_streams} concurrent streams; retry shortly",
+        runtime.metrics.key_requests.labels(key.name, "refused_key" if by_key else "refused").inc()
+    who, cap = (f"API key {key.name!r}", key.max_streams) if by_key else ("server", config.max_streams)
+    raise ApiError(429, f"{who} is at its limit of {cap} concurrent streams; retry shortly",
                    code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
@@ -298,14 +294,14 @@ async def _speech(runtime: Runtime, config: LlmServerConfig, body: SpeechBody, r
     stream = runtime.pipeline.start(SpeechJob(f"speech-{uuid.uuid4().hex[:16]}", body.input, voice, seed))
     # Watched from the start: a client gone before the first audio frees its slot at once.
     watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
-    audio = stream.__aiter__()
+    audio = aiter(stream)
     try:
         first = await anext(audio, b"")
     except Exception as exc:
         watcher.cancel()
         await audio.aclose()
         runtime.admission.release(key.name if key else None)
-        if watcher.done() and not watcher.cancelled():
+        if watcher.done():  # finished before our cancel(): it saw the client go
             _count(runtime, key, "disconnected")
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         _count(runtime, key, "error")

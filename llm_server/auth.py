@@ -11,13 +11,16 @@ a broken file at startup stops the worker. Keys never reach a log line; only nam
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import error_response
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +120,8 @@ class ApiKeys:
 
 def bearer_token(scope: Scope) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, or None."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-    return None
+    scheme, token = get_authorization_scheme_param(Headers(scope=scope).get("authorization"))
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 class ApiKeyMiddleware:
@@ -142,16 +142,10 @@ class ApiKeyMiddleware:
         if key is None:
             self.on_refused()
             log.info("refused %s: %s API key", scope["path"], "invalid" if token else "no")
-            await _unauthorized(send, "invalid API key" if token else "missing API key: send Authorization: Bearer <key>")
+            message = "invalid API key" if token else "missing API key: send Authorization: Bearer <key>"
+            await error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, send)
             return
         scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
 
-
-async def _unauthorized(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "invalid_api_key"}}).encode()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})

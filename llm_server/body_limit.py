@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
 
 
 class BodyLimitMiddleware:
@@ -22,11 +22,11 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(scope, receive, send)
             return
         body = await self._read_bounded(receive)
         if body is None:
-            await self._refuse(send)
+            await self._refuse(scope, receive, send)
             return
         replayed = False
 
@@ -53,9 +53,6 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"error": {"message": f"request body over {self.max_bytes} bytes", "type": "invalid_request_error",
-                                     "param": None, "code": "body_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = error_response(413, f"request body over {self.max_bytes} bytes", code="body_too_large")
+        await refusal(scope, receive, send)

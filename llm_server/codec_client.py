@@ -29,7 +29,7 @@ import numpy as np
 
 from snac_server.api import codec_pb2, codec_pb2_grpc
 from snac_server.chunking import EXACT_CONTEXT
-from snac_server.client import END_REQUEST, channel_credentials, frames_request, tls_options
+from snac_server.client import END_REQUEST, channel, frames_request
 from snac_server.config import SnacServerConfig
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,6 @@ class CodecClientConfig:
     # READY until keepalive notices (keepalive_s + keepalive_timeout_s), so a stream may stall
     # on it, re-pick it and stall again before round robin drops it: 6 leaves room for that.
     max_attempts: int = 6
-    connect_timeout_s: float = 5.0
     stall_timeout_s: float = 10.0  # owed audio, none for this long: the replica is hung
     keepalive_s: float = 10.0  # ping each connection this often (server accepts >= 5 s)...
     keepalive_timeout_s: float = 5.0  # ...and drop it when a ping goes unanswered this long
@@ -86,10 +85,11 @@ class CodecClient:
 
     def __init__(self, config: CodecClientConfig) -> None:
         self.config = config
+        self._tls_stamp: tuple[int, ...] = ()  # before the first read: a missing file then names itself
         self._tls_stamp = self._read_tls_stamp()
         self._channel = self._connect()
         self._stub = codec_pb2_grpc.SnacCodecStub(self._channel)
-        self._retiring: set[asyncio.Task] = set()
+        self._retired: set[grpc.aio.Channel] = set()  # old channels letting their streams finish
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
@@ -115,9 +115,8 @@ class CodecClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
-        for task in self._retiring:
-            task.cancel()
-        await self._channel.close()
+        # A plain close() of a channel still in its graceful close cancels its calls and closes it.
+        await asyncio.gather(*(ch.close() for ch in self._retired), self._channel.close())
 
     def _connect(self) -> grpc.aio.Channel:
         """One channel over every replica: round robin, health checked, keepalive pinged."""
@@ -137,11 +136,7 @@ class CodecClient:
             # Keep pinging while a stream sends nothing: an idle stream's replica may hang too.
             ("grpc.http2.max_pings_without_data", 0),
         ]
-        target = channel_target(c.addresses)
-        if not c.tls_ca:
-            return grpc.aio.insecure_channel(target, options=options)
-        credentials = channel_credentials(c.tls_ca, c.tls_cert, c.tls_key)
-        return grpc.aio.secure_channel(target, credentials, options=options + tls_options(c.tls_server_name))
+        return channel(channel_target(c.addresses), c.tls_ca, c.tls_cert, c.tls_key, c.tls_server_name, options)
 
     def _read_tls_stamp(self) -> tuple[int, ...]:
         paths = (self.config.tls_ca, self.config.tls_cert, self.config.tls_key)
@@ -159,9 +154,9 @@ class CodecClient:
             return
         old, self._channel, self._tls_stamp = self._channel, channel, stamp
         self._stub = codec_pb2_grpc.SnacCodecStub(channel)
+        self._retired.add(old)
         task = asyncio.get_running_loop().create_task(old.close(grace=_RETIRE_GRACE_S))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        task.add_done_callback(lambda _: self._retired.discard(old))
         log.info("codec TLS files changed: new channel")
 
 
@@ -255,7 +250,6 @@ class CodecStream:
         if message.first_frame != self._delivered:
             raise CodecError(f"codec sent frame {message.first_frame}, expected {self._delivered}")
         self._delivered += message.num_frames
-        self._stall_clock = asyncio.get_running_loop().time()
         self._trim()
         return AudioChunk(message.first_frame, message.num_frames, message.pcm, message.final)
 
@@ -270,7 +264,7 @@ class CodecStream:
             self._reading = asyncio.ensure_future(call.read())
             # The wait starts now, not at the last chunk: our reader may have been held up (a
             # slow HTTP client), and a replica only owes what it is being asked for.
-            self._stall_clock = max(self._stall_clock, loop.time())
+            self._stall_clock = loop.time()
         reading = self._reading
         while not reading.done():
             # Not owed: look again after a timeout's worth, since a send() may have started the clock.
@@ -327,7 +321,6 @@ class CodecStream:
             first_frame=first, emit_from_frame=self._delivered, stream_id=self._stream_id,
         )
         self._call = self._stub().Decode(wait_for_ready=True)
-        self._stall_clock = asyncio.get_running_loop().time()  # a new replica gets a full timeout
         await self._write(codec_pb2.DecodeRequest(header=header))
         pending = self._frames[first - self._frames_start :]
         if len(pending):

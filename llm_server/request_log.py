@@ -14,6 +14,7 @@ import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -51,11 +52,6 @@ def current() -> RequestContext | None:
     return _current.get()
 
 
-def current_id() -> str:
-    ctx = _current.get()
-    return ctx.request_id if ctx else "-"
-
-
 def choose_id(offered: bytes | None) -> str:
     """The client's id if it is [A-Za-z0-9._-]{1,64}; otherwise a fresh one."""
     if offered is not None:
@@ -84,8 +80,7 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, ctx.request_id.encode())]}
+                MutableHeaders(scope=message)["x-request-id"] = ctx.request_id  # replaces an app's own
             await send(message)
 
         await self.app(scope, receive, send_with_id)

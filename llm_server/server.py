@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 from fastapi import FastAPI
 
 from . import request_log
@@ -32,24 +33,21 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, marking the app as draining on SIGTERM/SIGINT and exiting normally after."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-        super().__init__(config)
-        self._app = app
-
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self._app.state.draining:
-            self._app.state.draining = True
+        app: FastAPI = self.config.app
+        if not app.state.draining:
+            app.state.draining = True
             log.info("%s: draining in-flight streams (up to %s s), refusing new connections",
                      signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
         super().handle_exit(sig, frame)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
-        """uvicorn's handlers, without re-raising the signal once the drain is done."""
+        """uvicorn 0.54's capture_signals without its re-raising of the signal once the drain is done."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
         try:
             yield
         finally:
@@ -70,7 +68,6 @@ def run(config: LlmServerConfig) -> None:
             timeout_graceful_shutdown=int(config.grace_s),
             timeout_keep_alive=30,
         ),
-        app,
     )
     server.run()
     if not server.started:  # the lifespan (engine, codec client) failed: not a clean exit

@@ -118,7 +118,7 @@ def _apply_typed(apis: KubeApis, obj: dict, namespace: str, group: str, suffix: 
     except ApiException as exc:
         if exc.status != 409:  # 409 Conflict: it exists already
             raise
-    if obj["metadata"].get("annotations", {}).get(KEEP_EXISTING) == "true":
+    if (obj["metadata"].get("annotations") or {}).get(KEEP_EXISTING) == "true":
         return "kept (exists)"
     getattr(api, f"patch_{scope}{suffix}")(
         obj["metadata"]["name"], *where, obj, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH

@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from llm_server.errors import error_response
+
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
@@ -41,11 +43,6 @@ class WorkerPool:
         return sorted(rotated, key=lambda u: self.active[u])
 
 
-def _error(status: int, message: str, code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
-
-
 def create_front_app(worker_urls: list[str]) -> FastAPI:
     """The front app over the given worker base URLs (http://host:port)."""
     pool = WorkerPool(worker_urls)
@@ -60,7 +57,7 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
     async def speech(request: Request) -> Response:
         body = await _bounded_body(request)
         if body is None:
-            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         for url in pool.order():
             try:
@@ -73,7 +70,8 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
                 await upstream.aclose()
                 continue
             return _relay(upstream, url, pool, active, request)
-        return _error(429, "every worker is at its stream limit; retry shortly", "rate_limit_exceeded", {"Retry-After": "1"})
+        return error_response(429, "every worker is at its stream limit; retry shortly", code="rate_limit_exceeded",
+                              headers={"Retry-After": "1"})
 
     @app.get("/v1/voices")
     async def voices(request: Request) -> Response:
@@ -95,7 +93,7 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
                     return JSONResponse({"status": "ready"})
             except httpx.HTTPError:
                 pass
-        return _error(503, "no worker is ready", "not_ready")
+        return error_response(503, "no worker is ready", code="not_ready")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -127,7 +125,7 @@ async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, h
             continue
         relayed = {k: v for k, v in reply.headers.items() if k.lower() in ("www-authenticate", "x-request-id", "retry-after")}
         return Response(reply.content, reply.status_code, headers=relayed, media_type=reply.headers.get("content-type"))
-    return _error(503, "no worker reachable")
+    return error_response(503, "no worker reachable")
 
 
 def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, request: Request) -> StreamingResponse:

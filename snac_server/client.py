@@ -86,9 +86,11 @@ def tls_options(server_name: str) -> list[tuple[str, str]]:
 
 
 def channel(
-    address: str, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", server_name: str = ""
+    address: str, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", server_name: str = "",
+    options: Sequence[tuple[str, object]] = (),
 ) -> grpc.aio.Channel:
     """A channel to a codec server: plaintext (loopback, tests) unless a CA file is given."""
     if not tls_ca:
-        return grpc.aio.insecure_channel(address)
-    return grpc.aio.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), tls_options(server_name))
+        return grpc.aio.insecure_channel(address, options=list(options))
+    credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+    return grpc.aio.secure_channel(address, credentials, options=[*options, *tls_options(server_name)])

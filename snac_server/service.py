@@ -203,10 +203,9 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                 await self._wait_for_room(stream)
             if not stream.session.ended:
                 raise InvalidFrames("stream closed without end_of_stream")
-        except InvalidFrames as exc:
-            stream.outbox.put_nowait(exc)
-        except Exception as exc:
-            log.exception("reading a Decode stream failed")
+        except Exception as exc:  # handed to the writer, which ends the stream with its status
+            if not isinstance(exc, InvalidFrames):
+                log.exception("reading a Decode stream failed")
             stream.outbox.put_nowait(exc)
 
     async def _wait_for_room(self, stream: _Stream) -> None:

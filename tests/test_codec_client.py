@@ -69,7 +69,6 @@ def test_worker_settings_reach_the_codec_client():
     assert (config.tls_ca, config.tls_cert, config.tls_key, config.tls_server_name) == (
         "ca.pem", "c.pem", "k.pem", "snac.test"
     )
-    assert not CodecClientConfig().tls_ca  # plaintext unless configured (loopback default)
 
 
 async def test_streams_spread_over_both_replicas(replicas):

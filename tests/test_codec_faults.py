@@ -123,7 +123,7 @@ async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
         audio, chunks, _, stream = await _run(client, frames, seed=5, on_chunk=hang_the_serving_replica)
         took_s = time.monotonic() - hung[1]
 
-        assert hung and stream.failovers >= 1
+        assert stream.failovers >= 1
         assert "DEADLINE_EXCEEDED" in caplog.text  # the stall deadline moved it, not a dead connection
         assert took_s < 12.0  # before keepalive alone (10 s + 5 s) would have noticed
         _assert_whole(chunks, len(frames))

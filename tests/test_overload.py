@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -165,11 +166,12 @@ def _describe(out: dict) -> str:
         lines.append(f"{name}: {streams}; frames {run['frames']:.0f}; worker RSS {run['rss_growth_mb']:+.1f} MB")
     refusals, (start, end) = out["flood"]["refusals"], out["flood"]["flood"]
     latencies = [r.latency_s for r in refusals if r.latency_s is not None]
-    statuses = sorted({r.status for r in refusals})
-    lines.append(f"flood: {len(refusals)} requests in {end - start:.1f} s, statuses {statuses}, "
-                 f"latency p50/p95/max {np.percentile(latencies, 50):.3f}/{np.percentile(latencies, 95):.3f}/"
-                 f"{max(latencies):.3f} s (/health p95 {np.percentile(out['flood']['pings'], 95):.3f} s); "
-                 f"byte-identical: "
+    # Counter, not sorted(): a request that failed has status None, and this line must not hide that failure.
+    statuses = dict(Counter(r.status for r in refusals))
+    timing = (f"latency p50/p95/max {np.percentile(latencies, 50):.3f}/{np.percentile(latencies, 95):.3f}/"
+              f"{max(latencies):.3f} s" if latencies else "no request got an answer")
+    lines.append(f"flood: {len(refusals)} requests in {end - start:.1f} s, statuses {statuses}, {timing} "
+                 f"(/health p95 {np.percentile(out['flood']['pings'], 95):.3f} s); byte-identical: "
                  f"{[bytes(a.pcm) == bytes(b.pcm) for a, b in zip(out['quiet']['streams'], out['flood']['streams'])]}")
     return "\n".join(lines)
 
