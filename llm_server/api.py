@@ -164,7 +164,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         problems = await request.app.state.runtime.readiness_problems()
         if problems:
             return error_response(503, "; ".join(problems), code="not_ready")
-        return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "ready", "engine": request.app.state.runtime.engine.describe()})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -76,6 +76,10 @@ class LlmServerConfig:
     enable_prefix_caching: bool = True
     quantization: str = ""  # e.g. fp8_per_tensor (on-the-fly FP8 of a bf16 checkpoint)
     kv_cache_dtype: str = "auto"
+    # GPU attention (llm_server/attention.py): a vLLM backend name (FLASHINFER, FLASH_ATTN, ...) or auto,
+    # and FlashInfer's TRT-LLM kernels (XQA decode on Hopper): auto | on | off.
+    attention_backend: str = "auto"
+    trtllm_attention: str = "auto"
     load_format: str = "auto"  # `dummy`: real architecture, random weights (GPU benchmarks)
     enforce_eager: bool = False
     speculative_config: str = ""  # JSON, passed through to the engine
@@ -93,6 +97,8 @@ class LlmServerConfig:
             raise ValueError(f"voice aliases point at unknown voices: {sorted(unknown)}")
         if not 0 < self.top_p <= 1 or self.temperature < 0 or self.repetition_penalty < 1:
             raise ValueError("need 0 < top_p <= 1, temperature >= 0, repetition_penalty >= 1")
+        if self.trtllm_attention not in ("auto", "on", "off"):
+            raise ValueError(f"trtllm_attention must be auto, on or off, not {self.trtllm_attention!r}")
         if self.max_client_lag_s <= 0 or self.codec_stall_timeout_s <= 0:
             raise ValueError("max_client_lag_s and codec_stall_timeout_s must be > 0")
         if bool(self.codec_tls_cert) != bool(self.codec_tls_key):

@@ -43,5 +43,8 @@ class Engine(Protocol):
     def num_unfinished(self) -> int:
         """Requests the engine is still holding (running or waiting)."""
 
+    def describe(self) -> dict[str, object]:
+        """What runs the model, as the engine itself reports it (backend, runner, attention kernels)."""
+
     async def shutdown(self) -> None:
         """Stop the engine and release its memory."""

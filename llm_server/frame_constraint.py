@@ -7,13 +7,16 @@ SamplingParams.extra_args[OPT_IN], so other requests on the engine are untouched
 
 vLLM has two batch-level logits processor APIs: the V1 runner's (CPU, and GPU with
 VLLM_USE_V2_MODEL_RUNNER=0) sees each request's running output ids; Model Runner V2's
-(the GPU default) sees each row's position. Both share one mask function.
+(the GPU default) sees each row's position. Both mask through slot_mask's table, and
+neither syncs with the host on a GPU. On CPU the V1 processor also samples the slot
+itself (_SlotSampler), which is where that pays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
@@ -23,8 +26,10 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProc
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from .audio_tokens import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, CODES_PER_FRAME, END_OF_SPEECH
+from .slot_mask import UNCONSTRAINED, StagedUpload, blocked_ids, constrain
 
 OPT_IN = "orpheus_frames"
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads (seed, position) over the generator's seed space
 
 
 def wants_frames(params: SamplingParams) -> bool:
@@ -32,13 +37,10 @@ def wants_frames(params: SamplingParams) -> bool:
     return bool(params.extra_args and params.extra_args.get(OPT_IN))
 
 
-def allowed_mask(vocab_size: int, generated: torch.Tensor) -> torch.Tensor:
-    """(rows, vocab) bool: the ids each row may sample, given how many tokens it generated."""
-    slot = generated % CODES_PER_FRAME
-    low = (AUDIO_TOKEN_BASE + CODEBOOK_SIZE * slot)[:, None]
-    cols = torch.arange(vocab_size, device=generated.device)[None, :]
-    allowed = (cols >= low) & (cols < low + CODEBOOK_SIZE)
-    return allowed | ((cols == END_OF_SPEECH) & (slot == 0)[:, None])
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of one step: a function of (request seed, token position) alone, so a
+    request that vLLM preempts and re-adds draws exactly what it would have drawn."""
+    return (seed * _GOLDEN + position) % 2**64
 
 
 @dataclass
@@ -54,6 +56,7 @@ class _SlotSampler:
     temperature: float
     top_p: float
     repetition_penalty: float
+    seed: int
     generator: torch.Generator
     seen: torch.Tensor  # (7 * 4096,) bool: audio ids this request already produced
     cursor: int = 0
@@ -63,17 +66,15 @@ class _SlotSampler:
         spec = params.extra_args.get(OPT_IN) if params.extra_args else None
         if not isinstance(spec, dict):
             return None
-        generator = torch.Generator().manual_seed(int(spec.get("seed") or 0))
         seen = torch.zeros(CODES_PER_FRAME * CODEBOOK_SIZE, dtype=torch.bool)
-        return cls(outputs, float(spec["temperature"]), float(spec["top_p"]), float(spec["repetition_penalty"]), generator, seen)
+        return cls(outputs, float(spec["temperature"]), float(spec["top_p"]), float(spec["repetition_penalty"]),
+                   int(spec.get("seed") or 0), torch.Generator(), seen)
 
     def choose(self, logits_row: torch.Tensor) -> int:
         """Sample this step's token id from the row's slot slice."""
-        for token in self.outputs[self.cursor :]:
-            if 0 <= token - AUDIO_TOKEN_BASE < self.seen.numel():
-                self.seen[token - AUDIO_TOKEN_BASE] = True
-        self.cursor = len(self.outputs)
-        slot = len(self.outputs) % CODES_PER_FRAME
+        self._see_new_outputs()
+        position = len(self.outputs)
+        slot = position % CODES_PER_FRAME
         low = AUDIO_TOKEN_BASE + CODEBOOK_SIZE * slot
         cand = logits_row[low : low + CODEBOOK_SIZE].float().cpu()
         if self.repetition_penalty != 1.0:  # the same rule as vLLM's: shrink seen tokens' logits
@@ -85,8 +86,19 @@ class _SlotSampler:
             pick = int(cand.argmax())
         else:
             probs = torch.softmax(cand / self.temperature, dim=0)
+            self.generator.manual_seed(draw_seed(self.seed, position))
             pick = int(torch.multinomial(_top_p(probs, self.top_p), 1, generator=self.generator))
         return END_OF_SPEECH if pick == CODEBOOK_SIZE else low + pick
+
+    def _see_new_outputs(self) -> None:
+        """Mark the outputs since the last step as seen; stop at a placeholder (-1) that vLLM's
+        async scheduling has not filled in yet, so its token is marked once it is known."""
+        for token in self.outputs[self.cursor :]:
+            if token < 0:
+                break
+            if token - AUDIO_TOKEN_BASE < self.seen.numel() and token >= AUDIO_TOKEN_BASE:
+                self.seen[token - AUDIO_TOKEN_BASE] = True
+            self.cursor += 1
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -100,16 +112,21 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class FrameConstraintV1(V1LogitsProcessor):
-    """The constraint for vLLM's V1 model runner (the CPU path): mask, or sample the slot.
+    """The constraint for vLLM's V1 model runner: mask the slot, or (on CPU) sample it.
 
-    extra_args[OPT_IN] = True masks the row to its slot and lets vLLM sample; a dict of
-    {temperature, top_p, repetition_penalty, seed} samples the slot here (the request then
-    runs greedy in vLLM, which takes the one-hot row).
+    extra_args[OPT_IN] = True masks the row to its slot and lets vLLM sample (the GPU path: one
+    staged upload of the rows' slots, one gather, one fill); a dict of {temperature, top_p,
+    repetition_penalty, seed} samples the slot here (the request then runs greedy in vLLM, which
+    takes the one-hot row).
     """
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self._masked: dict[int, list[int]] = {}  # batch row -> the request's running output ids
         self._sampled: dict[int, _SlotSampler] = {}
+        rows = vllm_config.scheduler_config.max_num_seqs
+        self._slots = StagedUpload(rows, torch.int64, device, is_pin_memory)
+        self._host_slots = np.empty(rows, dtype=np.int64)
+        blocked_ids(vllm_config.model_config.get_vocab_size(), device)  # built now, not in the first step
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes the argmax, so it must run under greedy sampling too
@@ -122,35 +139,48 @@ class FrameConstraintV1(V1LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self._masked:
-            rows = torch.tensor(list(self._masked), device=logits.device)
-            generated = torch.tensor([len(out) for out in self._masked.values()], device=logits.device)
-            logits[rows] = logits[rows].masked_fill(~allowed_mask(logits.shape[1], generated), float("-inf"))
+            host = self._host_slots[: logits.shape[0]]
+            host.fill(UNCONSTRAINED)
+            for row, out in self._masked.items():
+                host[row] = len(out) % CODES_PER_FRAME
+            constrain(logits, self._slots.upload(host))
         for row, sampler in self._sampled.items():
             token = sampler.choose(logits[row])
             logits[row].fill_(float("-inf"))
-            logits[row, token] = 0.0
+            logits[row, token].fill_(0.0)
         return logits
 
 
 class FrameConstraintV2(V2LogitsProcessor):
-    """The mask for Model Runner V2: generated count = row position + 1 - prompt length."""
+    """The mask for Model Runner V2: generated count = row position + 1 - prompt length.
+
+    Which request slots opted in is kept on the host and uploaded without blocking when it
+    changed; vLLM already skips the whole stage in steps where no row opted in.
+    """
 
     def __init__(self, vllm_config, req_states: LogitsProcRequestState) -> None:
         self._req_states = req_states
-        self._enabled = torch.zeros(req_states.max_num_reqs, dtype=torch.bool, device=req_states.device)
-        self._staged: dict[int, bool] = {}
+        device = torch.device(req_states.device)
+        self._opted_host = np.zeros(req_states.max_num_reqs, dtype=np.int64)
+        self._opted = StagedUpload(req_states.max_num_reqs, torch.int64, device, pin_memory=device.type == "cuda")
+        self._opted_device = self._opted.upload(self._opted_host)
+        self._changed = False
+        blocked_ids(req_states.vocab_size, device)  # built now, not in the first step
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
-        self._staged[req_idx] = wants_frames(sampling_params)  # slots are recycled: always overwrite
-        return self._staged[req_idx]
+        on = wants_frames(sampling_params)  # slots are recycled: always overwrite
+        self._changed |= bool(self._opted_host[req_idx]) != on
+        self._opted_host[req_idx] = on
+        return on
 
     def apply_staged_writes(self) -> None:
-        for req_idx, on in self._staged.items():
-            self._enabled[req_idx] = on
-        self._staged.clear()
+        if self._changed:  # a non-blocking copy; admissions never wait for the GPU
+            self._opted_device = self._opted.upload(self._opted_host)
+            self._changed = False
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        slots = ctx.expanded_idx_mapping
-        generated = ctx.pos.long() + 1 - self._req_states.prompt_len.gpu[slots].long()
-        blocked = ~allowed_mask(logits.shape[1], generated) & self._enabled[slots][:, None]
-        return logits.masked_fill_(blocked, float("-inf"))
+        rows = ctx.expanded_idx_mapping
+        # prompt_len.gpu is re-pointed by vLLM at every refresh: read it here, never cache it.
+        generated = ctx.pos.long() + 1 - self._req_states.prompt_len.gpu[rows].long()
+        slots = torch.where(self._opted_device[rows].bool(), generated % CODES_PER_FRAME, UNCONSTRAINED)
+        return constrain(logits, slots)

@@ -32,3 +32,13 @@ class LlmMetrics:
                                     registry=r)
         self.engine_queue = Gauge("orpheus_engine_unfinished_requests", "Requests held by the engine", registry=r)
         self.engine_queue.set_function(engine_unfinished)
+        self.engine_info = Gauge("orpheus_engine_info", "What runs the model, as the engine reports it (value 1)",
+                                 ["engine", "runner", "attention_backend", "trtllm_decode"], registry=r)
+
+    def describe_engine(self, description: dict[str, object]) -> None:
+        """Publish the engine's own description as the labels of orpheus_engine_info."""
+        backends = description.get("backends", [])
+        self.engine_info.labels(
+            str(description.get("engine", "")), str(description.get("runner", "")),
+            ",".join(backends) if isinstance(backends, list) else str(backends), str(description.get("trtllm_decode", "")),
+        ).set(1)

@@ -72,6 +72,7 @@ class Runtime:
         await engine.start()
         codec = CodecClient(codec_client_config(config))
         metrics = LlmMetrics(engine.num_unfinished)
+        metrics.describe_engine(engine.describe())
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics)
         log.info(
             "worker ready: model %s (%s backend), codec at %s%s",

@@ -13,36 +13,39 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from .audio_tokens import STOP_TOKEN_IDS
+from .audio_tokens import CODES_PER_FRAME, STOP_TOKEN_IDS
 from .config import LlmServerConfig
 from .engine import EngineError, Sampling
-from .frame_constraint import allowed_mask
+from .slot_mask import blocked_ids
 
 log = logging.getLogger(__name__)
 
 
 class FrameMask:
-    """Per-request TensorRT-LLM logits processor: the same frame mask as the vLLM paths."""
+    """Per-request TensorRT-LLM logits processor: the same frame mask as the vLLM paths.
 
-    def __init__(self, prompt_ids: list[int]) -> None:
-        self._prompt = prompt_ids
+    The slot is a count of this processor's own calls, one per generated token, not the length of
+    `token_ids`: TensorRT-LLM's overlap scheduler (its default) calls processors before the previous
+    step's token is appended, so from the second token on that length is one short. The count holds
+    while a prompt is prefilled in one forward, so the engine runs with chunked prefill off.
+    """
+
+    def __init__(self) -> None:
+        self.generated = 0
 
     def __call__(self, req_id: int, logits: torch.Tensor, token_ids: list[list[int]], stream_ptr: int | None,
                  client_id: int | None) -> None:
-        seq = token_ids[0]
-        # The callback's ids may or may not include the prompt; count generated tokens either way.
-        generated = len(seq) - len(self._prompt) if seq[: len(self._prompt)] == self._prompt else len(seq)
-        if logits.is_cuda and stream_ptr:  # run on the stream TensorRT-LLM gave us, not the default one
+        if logits.is_cuda and stream_ptr:  # the TensorRT engine backend names its stream; PyTorch's passes None
             with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr)):
-                self._mask(logits, generated)
+                self._mask(logits)
         else:
-            self._mask(logits, generated)
+            self._mask(logits)
+        self.generated += 1
 
-    @staticmethod
-    def _mask(logits: torch.Tensor, generated: int) -> None:
-        rows = logits.view(-1, logits.shape[-1])
-        allowed = allowed_mask(rows.shape[-1], torch.full((rows.shape[0],), generated, device=rows.device))
-        rows.masked_fill_(~allowed, float("-inf"))
+    def _mask(self, logits: torch.Tensor) -> None:
+        # One view of the precomputed table (a Python int index is a view, not an upload) and one fill.
+        blocked = blocked_ids(logits.shape[-1], logits.device)[self.generated % CODES_PER_FRAME]
+        logits.masked_fill_(blocked, float("-inf"))
 
 
 class TrtLlmEngine:
@@ -70,6 +73,7 @@ class TrtLlmEngine:
                 free_gpu_memory_fraction=self._config.gpu_memory_utilization,
                 enable_block_reuse=self._config.enable_prefix_caching,
             ),
+            enable_chunked_prefill=False,  # FrameMask counts one call per generated token (see there)
         )
         log.info("TensorRT-LLM engine up")
 
@@ -79,7 +83,7 @@ class TrtLlmEngine:
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             repetition_penalty=sampling.repetition_penalty, seed=sampling.seed, stop_token_ids=list(STOP_TOKEN_IDS),
-            detokenize=False, logits_processor=FrameMask(prompt_ids) if sampling.frame_constrained else None,
+            detokenize=False, logits_processor=FrameMask() if sampling.frame_constrained else None,
         )
         result = self._llm.generate_async(prompt_ids, params, streaming=True)
         self._running[request_id] = result
@@ -102,6 +106,9 @@ class TrtLlmEngine:
 
     def num_unfinished(self) -> int:
         return len(self._running)
+
+    def describe(self) -> dict[str, object]:
+        return {"engine": "trtllm", "attention": "TensorRT-LLM's own (its LLM API chooses)"}
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -12,9 +12,11 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+from .attention import attention_config
 from .audio_tokens import STOP_TOKEN_IDS
 from .config import LlmServerConfig
 from .engine import EngineError, Sampling
+from .engine_probe import WORKER_EXTENSION
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
 
 log = logging.getLogger(__name__)
@@ -40,9 +42,27 @@ def engine_args(config: LlmServerConfig, model_dir: str):
         load_format=config.load_format,
         enforce_eager=config.enforce_eager,
         speculative_config=json.loads(config.speculative_config) if config.speculative_config else None,
+        attention_config=attention_config(config, device, os.environ),
         logits_processors=[FrameConstraintV1],
+        worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
         enable_log_requests=False,
+    )
+
+
+def refuse_speculation_on_v1(vllm_config) -> None:
+    """The frame constraint is a custom logits processor, which vLLM's V1 runner refuses alongside any
+    speculative config (at worker start, after minutes of loading): refuse here, at once, instead."""
+    spec = vllm_config.speculative_config
+    if spec is None or vllm_config.use_v2_model_runner:
+        return
+    why = "vLLM's CPU backend" if vllm_config.device_config.device_type == "cpu" else (
+        "VLLM_USE_V2_MODEL_RUNNER=0" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else f"method {spec.method!r}")
+    raise EngineError(
+        f"speculative decoding with the frame constraint needs vLLM's Model Runner V2, and this configuration "
+        f"runs the V1 runner ({why}), which refuses custom logits processors under speculation. Supported: "
+        "Model Runner V2 (the CUDA default) with method eagle, eagle3, ngram, mtp or draft_model; not suffix "
+        "decoding or custom proposers, not VLLM_USE_V2_MODEL_RUNNER=0, not CPU."
     )
 
 
@@ -53,7 +73,10 @@ class VllmEngine:
         self._config = config
         self._model_dir = model_dir
         self._engine = None
-        self._slot_sampler = True  # sample the slot in the logits processor (V1 runner only)
+        # Sample the slot in the logits processor where that pays: the CPU (V1 runner). On a GPU it
+        # would read every row back each step; there the processor masks and vLLM samples.
+        self._slot_sampler = config.resolved_device == "cpu"
+        self.attention: dict[str, object] = {}
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -64,10 +87,13 @@ class VllmEngine:
             args.logits_processors = [FrameConstraintV2]
             vllm_config = args.create_engine_config()
             self._slot_sampler = False
+        refuse_speculation_on_v1(vllm_config)
         # No per-request logging from vLLM: a prompt's ids spell out the input text, which stays
         # out of logs (llm-server --log-input-text is the one switch for it).
         self._engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True, enable_log_requests=False)
-        log.info("vLLM engine up (%s runner)", "V2" if vllm_config.use_v2_model_runner else "V1")
+        runner = "V2" if vllm_config.use_v2_model_runner else "V1"
+        self.attention = {"runner": runner, **(await self._engine.collective_rpc("megapod_attention"))[0]}
+        log.info("vLLM engine up (%s runner); attention %s", runner, self.attention)
 
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams
@@ -106,6 +132,9 @@ class VllmEngine:
         finally:
             if not finished:  # the consumer left early: free the KV cache now
                 await self.abort(request_id)
+
+    def describe(self) -> dict[str, object]:
+        return {"engine": "vllm", **self.attention}
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 
 from .front import create_front_app
+from .gpu_layout import GpuLayoutError
 from .launcher import Launcher
 from .say import say
 from .topology import MegaPodConfig, megapod_config_from_cli
@@ -98,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     speak.add_argument("--endpoint", default=os.environ.get("MEGAPOD_ENDPOINT", "http://127.0.0.1:8000"))
     speak.add_argument("--seed", type=int, default=None)
     if argv and argv[0] == "up":
-        asyncio.run(up(megapod_config_from_cli(argv[1:])))
+        try:
+            asyncio.run(up(megapod_config_from_cli(argv[1:])))
+        except GpuLayoutError as exc:
+            sys.exit(f"megapod up: {exc}")
         return
     if argv and argv[0] == "deploy":
         from .deploy_cli import main as deploy_main  # the kubernetes client loads only when deploying

@@ -70,10 +70,12 @@ def _cluster_megapod(**changes: object) -> MegaPodConfig:
     return MegaPodConfig(**{**base, **changes})  # type: ignore[arg-type]
 
 
-# One 8-GPU node: 7 LLM workers on a GPU each, 3 SNAC replicas on MIG instances of the 8th.
+# One 8-GPU node: 7 LLM workers on a GPU each, 3 SNAC replicas on MIG instances of the 8th. Decode
+# attention runs TensorRT-LLM's XQA kernel through FlashInfer (the image carries its cubins).
 H100 = ClusterProfile(
     name="h100",
-    megapod=_cluster_megapod(workers=7, replicas=3, llm_device="cuda", snac_device="cuda"),
+    megapod=_cluster_megapod(workers=7, replicas=3, llm_device="cuda", snac_device="cuda",
+                             attention_backend="FLASHINFER", trtllm_attention="on"),
     values_file="values.yaml",
     gpus_per_node=8,
     llm_accelerator=WHOLE_GPU,

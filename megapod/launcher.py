@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .gpu_layout import plan_gpus
 from .topology import MegaPodConfig
 
 log = logging.getLogger("megapod")
@@ -33,6 +35,7 @@ class Child:
     argv: list[str]
     log_path: Path
     ready_url: str  # http://... for workers, grpc://host:port for replicas
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment (GPU pinning)
     popen: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
@@ -42,7 +45,8 @@ class Child:
         # A session of its own: Ctrl-C in the terminal reaches the launcher only, which then
         # stops the children in order (workers drain before replicas go).
         self.popen = subprocess.Popen(
-            self.argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+            self.argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **self.env},
         )
         self.started_at = time.monotonic()
 
@@ -84,21 +88,31 @@ async def _grpc_serving(address: str) -> bool:
         return False
 
 
+def visible_gpus(config: MegaPodConfig) -> int:
+    """How many GPUs this machine offers the MegaPod (0 when both tiers run on the CPU)."""
+    if config.llm_device == "cpu" and config.snac_device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class Launcher:
     """Starts, watches and stops the processes of one MegaPod."""
 
-    def __init__(self, config: MegaPodConfig, log_dir: Path) -> None:
+    def __init__(self, config: MegaPodConfig, log_dir: Path, gpu_count: int | None = None) -> None:
         self.config = config
+        layout = plan_gpus(config, visible_gpus(config) if gpu_count is None else gpu_count)
         python = sys.executable
         self.replicas = [
             Child(f"snac-{j}", [python, "-m", "snac_server", *config.snac_args(j)], log_dir / f"snac-{j}.log",
-                  f"grpc://{config.host}:{port}")
+                  f"grpc://{config.host}:{port}", layout.codec_env())
             for j, port in enumerate(config.snac_ports())
         ]
         self._watchers: set[asyncio.Task] = set()
         self.workers = [
             Child(f"llm-{i}", [python, "-m", "llm_server", *config.worker_args(i)], log_dir / f"llm-{i}.log",
-                  f"http://{config.host}:{port}/ready")
+                  f"http://{config.host}:{port}/ready", layout.worker_env(i))
             for i, port in enumerate(config.worker_ports())
         ]
 

@@ -30,8 +30,13 @@ class MegaPodConfig:
     # Models (random weights by default: the audio is noise until real checkpoints are given)
     llm_model: str = RANDOM_LLM
     snac_model: str = RANDOM_SNAC
-    llm_device: str = "auto"
-    snac_device: str = "auto"
+    llm_device: str = "auto"  # auto | cuda | cpu: on GPUs, worker i gets a GPU of its own (llm_gpus)
+    snac_device: str = "auto"  # auto | cuda | cpu: on GPUs, the codec replicas share one (snac_gpu)
+    llm_gpus: str = "auto"  # one GPU index per worker, e.g. 0,1,2; auto: worker i on GPU i
+    snac_gpu: str = "auto"  # the codec replicas' GPU; auto: the one after the last worker's
+    llm_gpu_memory_utilization: float = 0.9  # each worker's vLLM share of its GPU
+    attention_backend: str = "auto"  # vLLM's attention backend on GPUs (llm_server/attention.py)
+    trtllm_attention: str = "auto"  # FlashInfer's TRT-LLM kernels: auto | on | off
     # Limits and policies
     max_streams_per_worker: int = 16
     snac_max_batch: int = 32
@@ -47,6 +52,11 @@ class MegaPodConfig:
             raise ValueError("a MegaPod needs at least one worker and one replica")
         if self.codec_policy not in ("adaptive", "exact", "reference"):
             raise ValueError(f"codec_policy must be adaptive, exact or reference, not {self.codec_policy!r}")
+        for name in ("llm_device", "snac_device"):
+            if getattr(self, name) not in ("auto", "cuda", "cpu"):
+                raise ValueError(f"{name} is auto, cuda or cpu (choose GPUs with llm_gpus/snac_gpu), not {getattr(self, name)!r}")
+        if not 0 < self.llm_gpu_memory_utilization <= 1:
+            raise ValueError("llm_gpu_memory_utilization must be in (0, 1]")
 
     @property
     def random_weights(self) -> bool:
@@ -76,6 +86,8 @@ class MegaPodConfig:
         return [
             "--host", self.host, "--port", str(self.worker_ports()[i]), "--snac", self.snac_addresses(),
             "--model", self.llm_model, "--device", self.llm_device, "--max-streams", str(self.max_streams_per_worker),
+            "--gpu-memory-utilization", str(self.llm_gpu_memory_utilization),
+            "--attention-backend", self.attention_backend, "--trtllm-attention", self.trtllm_attention,
             "--codec-policy", self.codec_policy, "--max-model-len", str(self.max_model_len),
             "--enforce-eager", str(self.enforce_eager).lower(), "--grace-s", str(self.grace_s),
         ]

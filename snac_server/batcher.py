@@ -23,6 +23,10 @@ from .session import DecodeRow
 log = logging.getLogger(__name__)
 
 
+class WarmUpFailed(RuntimeError):
+    """The decoder could not warm up (graph capture, a bad device): the server must not start."""
+
+
 @dataclass
 class DecodeJob:
     """A row waiting to be decoded and the future its stream awaits."""
@@ -52,11 +56,18 @@ class MicroBatcher:
         self._metrics = metrics
         self._queue: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="snac-decode", daemon=True)
-        self.ready = threading.Event()
+        self._warmed_up = threading.Event()
+        self._warm_up_error: BaseException | None = None
 
     def start(self) -> None:
-        """Start the decode thread; it warms up the runner and then sets `ready`."""
+        """Start the decode thread; it warms up the runner before taking any work."""
         self._thread.start()
+
+    def wait_ready(self) -> None:
+        """Block until warm-up is done; raise WarmUpFailed if it failed (the thread has then exited)."""
+        self._warmed_up.wait()
+        if self._warm_up_error is not None:
+            raise WarmUpFailed(f"decoder warm-up failed: {self._warm_up_error!r}") from self._warm_up_error
 
     def stop(self) -> None:
         """Ask the thread to finish what is queued and exit; wait for it."""
@@ -71,8 +82,14 @@ class MicroBatcher:
         return job.future
 
     def _loop(self) -> None:
-        self._runner.warm_up()
-        self.ready.set()
+        try:
+            self._runner.bind_thread()  # CUDA's current device is per thread: this one's must be the runner's
+            self._runner.warm_up()
+        except BaseException as exc:  # handed to wait_ready(): a server must never wait forever for this thread
+            self._warm_up_error = exc
+            return
+        finally:
+            self._warmed_up.set()
         while True:
             first = self._queue.get()  # block only when idle
             if first is None:

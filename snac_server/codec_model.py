@@ -8,6 +8,7 @@ NoiseBlock for PositionalNoise so the output depends only on codes, seed and pos
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import torch
@@ -18,6 +19,8 @@ from torch.nn.utils import parametrize
 
 from .frames import frames_to_levels
 from .noise import NoiseContext, PositionalNoise
+
+log = logging.getLogger(__name__)
 
 RANDOM_MODEL = "random-24khz"
 HF_MODEL_ID = "hubertsiuzdak/snac_24khz"
@@ -108,7 +111,57 @@ class SnacDecoder(nn.Module):
         return self(batch, seeds, start)[0].cpu().numpy()
 
 
+def use_exact_fp32() -> None:
+    """Make fp32 convolutions and matmuls really fp32 on GPUs, for this process.
+
+    cuDNN runs fp32 convolutions in TF32 by default (10 mantissa bits): the same codes would then
+    decode differently by batch shape, by more than one s16 step. With IEEE fp32 the remaining
+    differences (the algorithm cuDNN picks per shape) stay within one s16 step.
+    """
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+
+# Half precision against fp32, on the served weights, at start-up. bf16 measures ~39 dB (the noise
+# floor of 8-bit mu-law telephony: audible hiss in quiet passages on wideband playback), fp16 ~58 dB
+# (better than 8-bit linear PCM). Below WARN the server says so; below REFUSE the numbers are broken
+# (overflow, a Snake alpha whose +1e-9 guard vanished in half precision), not merely coarse.
+WARN_SNR_DB = 50.0
+REFUSE_SNR_DB = 30.0
+_SNR_CHECK_FRAMES = 8
+
+
+class HalfPrecisionTooNoisy(ValueError):
+    """The half-precision decoder is too far from fp32 on these weights to serve."""
+
+
+def snr_db(reference: np.ndarray, other: np.ndarray) -> float:
+    """Signal-to-noise ratio of `other` against `reference`, in dB (inf when equal)."""
+    noise = float(np.sum((other.astype(np.float64) - reference) ** 2))
+    return float("inf") if noise == 0 else 10.0 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / noise)
+
+
+def check_half_precision(model: str, decoder: SnacDecoder) -> float:
+    """SNR of `decoder` (fp16/bf16) against an fp32 copy of the same weights; refuse below REFUSE_SNR_DB."""
+    reference = SnacDecoder(load_snac(model), 1, decoder.device, torch.float32)
+    frames = np.random.default_rng(0).integers(0, 4096, size=(_SNR_CHECK_FRAMES, 7))
+    snr = snr_db(reference.decode_full(frames, seed=0), decoder.decode_full(frames, seed=0))
+    del reference
+    if not snr >= REFUSE_SNR_DB:  # NaN output fails here too
+        raise HalfPrecisionTooNoisy(f"{decoder.dtype} decoding is {snr:.1f} dB from fp32 on {model} (< {REFUSE_SNR_DB} dB): use float32")
+    level = logging.WARNING if snr < WARN_SNR_DB else logging.INFO
+    log.log(level, "%s decoding is %.1f dB from fp32 on %s (warn below %.0f dB)", decoder.dtype, snr, model, WARN_SNR_DB)
+    return snr
+
+
 def build_decoder(model: str, device: str, dtype: str, max_batch: int) -> SnacDecoder:
-    """Load, fold and wrap SNAC on the given device and dtype ('float32', 'float16', 'bfloat16')."""
+    """Load, fold and wrap SNAC on the given device and dtype ('float32', 'float16', 'bfloat16').
+
+    Half precision is checked against fp32 on the same weights first (check_half_precision).
+    """
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    return SnacDecoder(load_snac(model), max_batch, torch.device(device), torch_dtype)
+    use_exact_fp32()  # the reference of a half-precision check is fp32 too
+    decoder = SnacDecoder(load_snac(model), max_batch, torch.device(device), torch_dtype)
+    if torch_dtype != torch.float32:
+        check_half_precision(model, decoder)
+    return decoder

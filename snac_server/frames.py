@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 CODES_PER_FRAME = 7
 CODEBOOK_SIZE = 4096
@@ -17,9 +18,9 @@ SAMPLE_RATE = 24_000
 FRAME_SAMPLES = 2048
 FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
 
-# Column order that gathers a frame's codes into (L0 | L1 L1 | L2 L2 L2 L2).
-_L1_SLOTS = [1, 4]
-_L2_SLOTS = [2, 3, 5, 6]
+# The slots of each level, in the order their codes follow each other within a frame.
+_L1_SLOTS = (1, 4)
+_L2_SLOTS = (2, 3, 5, 6)
 
 
 class InvalidFrames(ValueError):
@@ -45,11 +46,14 @@ def validate_frames(frames: Sequence[Sequence[int]]) -> np.ndarray:
     return codes.astype(np.int32)
 
 
-def frames_to_levels(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split (..., n, 7) frames into SNAC levels shaped (..., n), (..., 2n), (..., 4n)."""
+def frames_to_levels(frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split (..., n, 7) frames into SNAC levels shaped (..., n), (..., 2n), (..., 4n).
+
+    Integer slots (views) and a stack, never a list index: on a GPU a list index is built on
+    the host and uploaded with a blocking copy, which fails CUDA Graph capture.
+    """
     lead = frames.shape[:-2]
     n = frames.shape[-2]
-    l0 = frames[..., 0]
-    l1 = frames[..., _L1_SLOTS].reshape(*lead, 2 * n)
-    l2 = frames[..., _L2_SLOTS].reshape(*lead, 4 * n)
-    return l0, l1, l2
+    l1 = torch.stack([frames[..., s] for s in _L1_SLOTS], dim=-1).reshape(*lead, 2 * n)
+    l2 = torch.stack([frames[..., s] for s in _L2_SLOTS], dim=-1).reshape(*lead, 4 * n)
+    return frames[..., 0], l1, l2

@@ -43,7 +43,7 @@ class _Graph:
         self.frames = torch.zeros(batch, window, CODES_PER_FRAME, dtype=torch.int64, device=device)
         self.seeds = torch.zeros(batch, dtype=torch.int64, device=device)
         self.frame0 = torch.zeros(batch, dtype=torch.int64, device=device)
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up on a side stream before capture, as CUDA Graphs require
             for _ in range(2):
@@ -87,6 +87,15 @@ class DecoderRunner:
         self.max_step_frames = max_step_frames
         self.batch_sizes = batch_ladder(max_batch)
         self._graphs: dict[tuple[int, int], _Graph] = {}
+
+    def bind_thread(self) -> None:
+        """Make the calling thread's current CUDA device the decoder's (the decode thread calls this).
+
+        A new thread starts on device 0: without this, a decoder on cuda:N would capture its graphs
+        and run its side streams on device 0's streams.
+        """
+        if self.decoder.device.type == "cuda":
+            torch.cuda.set_device(self.decoder.device)
 
     def warm_up(self) -> None:
         """Capture every bucket's graph (GPU) or run each window once (CPU) before serving."""

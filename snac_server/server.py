@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -16,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from .api import codec_pb2, codec_pb2_grpc
-from .batcher import MicroBatcher
+from .batcher import MicroBatcher, WarmUpFailed
 from .codec_model import build_decoder
 from .config import SnacServerConfig, snac_config_from_cli
 from .metrics import SnacMetrics
@@ -50,8 +51,13 @@ class SnacServer:
             self.metrics_http, _ = start_http_server(
                 self.config.metrics_port, self.config.host, registry=self.metrics.registry
             )
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # grpc's default for "" is SERVING
         self.batcher.start()
-        await asyncio.to_thread(self.batcher.ready.wait)
+        try:
+            await asyncio.to_thread(self.batcher.wait_ready)
+        except WarmUpFailed:
+            self._stop_metrics()
+            raise
         await self.grpc_server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -61,9 +67,13 @@ class SnacServer:
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s)
         await asyncio.to_thread(self.batcher.stop)
+        self._stop_metrics()
+
+    def _stop_metrics(self) -> None:
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
+            self.metrics_http = None
 
 
 class CertFiles:
@@ -166,7 +176,11 @@ async def serve(config: SnacServerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: `snac-server --port ... --model ...`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(snac_config_from_cli(argv)))
+    try:
+        asyncio.run(serve(snac_config_from_cli(argv)))
+    except WarmUpFailed as exc:  # exit (Kubernetes restarts the pod and shows why), never hang unready
+        log.error("cannot serve: %s", exc, exc_info=exc.__cause__)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
+import pytest
 import torch
 from snac import SNAC
 from torch.nn.utils import parametrize
 
 from conftest import random_frames
-from snac_server.codec_model import SNAC_24KHZ_CONFIG, SnacDecoder, build_decoder, load_snac
+from megapod.sync_detector import host_syncs
+from snac_server.codec_model import (
+    REFUSE_SNR_DB, SNAC_24KHZ_CONFIG, WARN_SNR_DB, HalfPrecisionTooNoisy, SnacDecoder, build_decoder,
+    check_half_precision, load_snac,
+)
 from snac_server.frames import FRAME_SAMPLES, frames_to_levels
 
 
@@ -33,7 +39,7 @@ def test_prepared_decoder_matches_the_original_snac():
             block.linear.weight.zero_()
     assert not any(parametrize.is_parametrized(m) for m in prepared.modules()), "weight norm is folded"
     frames = random_frames(6, seed=1)
-    levels = [torch.as_tensor(l[None], dtype=torch.int64) for l in frames_to_levels(frames)]
+    levels = [torch.as_tensor(l[None], dtype=torch.int64) for l in frames_to_levels(torch.as_tensor(frames))]
     with torch.inference_mode():
         expected = original.decode(levels)[0, 0].numpy()
     got = prepared.decode_full(frames, seed=0)
@@ -65,10 +71,43 @@ def test_a_checkpoint_of_another_snac_is_refused(tmp_path):
         raise AssertionError("a 32 kHz SNAC was accepted")
 
 
-def test_half_precision_stays_close_to_float32():
-    frames = random_frames(4, seed=4)
-    ref = build_decoder("random-24khz", "cpu", "float32", 1).decode_full(frames, 2)
-    bf16 = build_decoder("random-24khz", "cpu", "bfloat16", 1).decode_full(frames, 2)
-    snr_db = 10 * np.log10(np.sum(ref**2) / np.sum((bf16 - ref) ** 2))
-    assert bf16.dtype == np.float32
-    assert snr_db > 20, f"bf16 SNR {snr_db:.1f} dB"
+def test_the_decoder_forward_as_captured_never_syncs_or_uploads():
+    """The forward a CUDA Graph captures: any host sync in it fails capture on a GPU."""
+    decoder = build_decoder("random-24khz", "cpu", "float32", 2)
+    frames = torch.as_tensor(random_frames(2 * 4, seed=1).reshape(2, 4, 7), dtype=torch.int64)
+    seeds = torch.tensor([1, 2])
+    frame0 = torch.tensor([0, 9])
+    assert host_syncs(decoder, frames, seeds, frame0) == []
+
+
+def test_float32_means_ieee_float32_on_gpus():
+    """cuDNN's default for fp32 convolutions is TF32: loading an fp32 decoder turns that off."""
+    torch.backends.cudnn.conv.fp32_precision = "tf32"  # torch's default, whatever ran before
+    build_decoder("random-24khz", "cpu", "float32", 1)
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+def test_a_stream_decodes_alike_alone_and_in_a_batch_within_one_s16_step():
+    """The README's reproducibility claim: batch shape moves fp32 audio by less than one s16 step."""
+    decoder = build_decoder("random-24khz", "cpu", "float32", 8)
+    frames = np.stack([random_frames(6, seed=s) for s in range(8)])
+    alone = decoder(torch.as_tensor(frames[:1]), torch.tensor([5]), torch.tensor([3]))[0].numpy()
+    batch = decoder(torch.as_tensor(frames), torch.arange(5, 13), torch.full((8,), 3))[0].numpy()
+    assert np.abs(alone - batch).max() < 1 / 32767
+
+
+def test_bfloat16_is_measured_against_float32_and_served_with_a_warning(caplog):
+    with caplog.at_level(logging.INFO, logger="snac_server.codec_model"):
+        decoder = build_decoder("random-24khz", "cpu", "bfloat16", 1)
+    snr = check_half_precision("random-24khz", decoder)
+    assert REFUSE_SNR_DB < snr < WARN_SNR_DB, f"bf16 at {snr:.1f} dB"
+    assert any(r.levelno == logging.WARNING and "dB from fp32" in r.message for r in caplog.records)
+
+
+def test_a_half_precision_decoder_far_from_float32_is_refused():
+    decoder = SnacDecoder(load_snac("random-24khz"), 1, torch.device("cpu"), torch.bfloat16)
+    with torch.no_grad():  # weights that no longer match the fp32 reference: as broken as an overflow
+        decoder.decoder.model[0].weight.mul_(3.0)
+    with pytest.raises(HalfPrecisionTooNoisy, match="dB from fp32"):
+        check_half_precision("random-24khz", decoder)

@@ -135,6 +135,28 @@ def test_chart_images_are_the_dockerfiles() -> None:
     assert 'tag: "0.1.0-cpu"' in (REPO / "deploy" / "helm" / "orpheus-megapod" / "values-cpu.yaml").read_text()
 
 
+def _pins(path: Path) -> dict[str, str]:
+    lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+    return dict(line.split("==") for line in lines if line)
+
+
+def test_the_cuda_image_carries_flashinfers_cubins_at_flashinfers_own_version() -> None:
+    """TRT-LLM attention needs FlashInfer's cubins in the image; FlashInfer ignores a flashinfer-cubin
+    of any other version than its own and downloads kernels at start-up instead."""
+    pins = _pins(DOCKER / "cuda-pins.txt")
+    gpu_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert f"vllm=={pins['vllm']}" in gpu_extra, "the image's vLLM is the gpu extra's"
+    assert pins["vllm"] == "0.33.0" and pins["flashinfer-python"] == "0.7.2.post1", "vLLM 0.33.0's Requires-Dist"
+    assert pins["flashinfer-cubin"] == pins["flashinfer-python"]
+    _, stages = parse(DOCKER / "llm-server.Dockerfile")
+    runs = [rest for ins, rest in stages[-1].lines if ins == "RUN"]
+    install = next(r for r in runs if "pip install" in r)
+    assert "--constraint /tmp/cuda-pins.txt" in install and "flashinfer-cubin" in install
+    assert "v('flashinfer-cubin') == v('flashinfer-python')" in install, "the build fails on a mismatch"
+    copies = [rest for ins, rest in stages[-1].lines if ins == "COPY"]
+    assert "deploy/docker/cuda-pins.txt /tmp/cuda-pins.txt" in copies
+
+
 # ---------------------------------------------------------------- deploy/tools/install_k8s_tools.py
 
 

@@ -79,6 +79,9 @@ class ScriptedEngineDouble:
     def num_unfinished(self) -> int:
         return self.live
 
+    def describe(self) -> dict[str, object]:
+        return {"engine": "scripted test double"}
+
     async def shutdown(self) -> None:
         pass
 

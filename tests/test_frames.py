@@ -2,12 +2,14 @@
 
 import numpy as np
 import pytest
+import torch
 
+from megapod.sync_detector import host_syncs
 from snac_server.frames import InvalidFrames, frames_to_levels, validate_frames
 
 
 def test_slot_order_maps_onto_levels():
-    frames = np.array([[0, 1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15, 16]])
+    frames = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15, 16]])
     l0, l1, l2 = frames_to_levels(frames)
     assert l0.tolist() == [0, 10]
     assert l1.tolist() == [1, 4, 11, 14]
@@ -15,10 +17,15 @@ def test_slot_order_maps_onto_levels():
 
 
 def test_levels_of_a_batch_keep_rows_apart():
-    frames = np.arange(2 * 3 * 7).reshape(2, 3, 7)
+    frames = torch.arange(2 * 3 * 7).reshape(2, 3, 7)
     l0, l1, l2 = frames_to_levels(frames)
     assert l0.shape == (2, 3) and l1.shape == (2, 6) and l2.shape == (2, 12)
     assert l0[1].tolist() == frames[1, :, 0].tolist()
+
+
+def test_splitting_levels_never_uploads_host_data():
+    """It runs inside the captured SNAC graph: a list index there failed capture on a GPU."""
+    assert host_syncs(frames_to_levels, torch.zeros(2, 4, 7, dtype=torch.int64)) == []
 
 
 def test_code_zero_and_4095_are_valid():

@@ -65,3 +65,48 @@ async def test_sigterm_drains_in_flight_streams_then_exits():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# A runner whose warm-up raises as CUDA Graph capture did on GPUs (a test double for a broken GPU).
+FAILING_WARM_UP = """
+import sys
+from snac_server import runner, server
+
+def broken_warm_up(self):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+runner.DecoderRunner.warm_up = broken_warm_up
+server.main(sys.argv[1:])
+"""
+
+
+def test_a_failed_warm_up_ends_the_process_non_zero_with_the_error_in_the_log():
+    args = ["--host", "127.0.0.1", "--port", str(_free_port()), "--metrics-port", "0", "--device", "cpu"]
+    done = subprocess.run([sys.executable, "-c", FAILING_WARM_UP, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "decoder warm-up failed" in done.stderr
+    assert "operation not permitted when stream is capturing" in done.stderr
+
+
+async def test_health_is_never_serving_when_warm_up_failed(monkeypatch):
+    from grpc_health.v1 import health_pb2 as pb
+
+    from conftest import server_config
+    from snac_server.batcher import WarmUpFailed
+    from snac_server.runner import DecoderRunner
+    from snac_server.server import build_server
+
+    def broken_warm_up(self):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(DecoderRunner, "warm_up", broken_warm_up)
+    server, _ = build_server(server_config())
+    try:
+        await server.start()
+    except WarmUpFailed as exc:
+        assert "no kernel image" in str(exc)
+    else:
+        raise AssertionError("start() returned after a failed warm-up")
+    reply = await server.health.Check(pb.HealthCheckRequest(service=""), None)
+    assert reply.status != pb.HealthCheckResponse.SERVING
+    assert server.metrics_http is None, "the metrics endpoint is closed again"

@@ -1,9 +1,15 @@
 """DecoderRunner on CPU: splitting a step under max_step_frames changes nothing but the forwards."""
 
+import threading
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
+from snac_server.batcher import MicroBatcher
 from snac_server.codec_model import build_decoder
+from snac_server.metrics import SnacMetrics
 from snac_server.runner import CPU_STEP_FRAMES, DecoderRunner
 from snac_server.session import DecodeRow
 
@@ -42,3 +48,18 @@ def test_split_step_gives_the_same_audio_and_hands_rows_back_per_forward(decoder
     for e, g in zip(expected, got):
         assert g.shape == (6 * 2048,)
         np.testing.assert_allclose(g, e, atol=1e-4)
+
+
+def test_the_decode_thread_makes_the_decoders_gpu_its_current_device(monkeypatch):
+    """On cuda:N the decode thread must not run on device 0 (a new thread's default): streams,
+    graph capture and the memory pool all follow the current device."""
+    bound: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append((threading.current_thread().name, torch.device(d))))
+    on_gpu_1 = SimpleNamespace(device=torch.device("cuda", 1))  # test double: a decoder placed on cuda:1
+    runner = DecoderRunner(on_gpu_1, BUCKETS, max_batch=1, cuda_graphs=True)
+    monkeypatch.setattr(runner, "warm_up", lambda: None)
+    batcher = MicroBatcher(runner, 1, 0.0, SnacMetrics())
+    batcher.start()
+    batcher.wait_ready()
+    batcher.stop()
+    assert bound == [("snac-decode", torch.device("cuda", 1))]

@@ -11,7 +11,7 @@ import torch
 
 from llm_server.audio_tokens import END_OF_SPEECH, STOP_TOKEN_IDS, slot_range
 from llm_server.config import LlmServerConfig
-from llm_server.engine import Sampling
+from llm_server.engine import EngineError, Sampling
 from llm_server.model_source import resolve_model
 from llm_server.vllm_engine import VllmEngine
 from processes import TINY_CACHE
@@ -60,6 +60,22 @@ async def test_every_generated_id_lies_in_its_slot(engine, slot_sampler):
         assert _misplaced(tokens) == []
 
 
+def test_the_engine_reports_the_attention_its_workers_chose(engine):
+    """Asked of vLLM's own workers (the front end's config keeps `auto`): on CPU, vLLM's CPU attention."""
+    assert engine.describe() == {"engine": "vllm", "runner": "V1", "backends": ["CPU_ATTN"], "trtllm_decode": "none"}
+
+
+async def test_speculation_on_the_v1_runner_is_refused_before_loading():
+    """vLLM's V1 runner (CPU here) refuses custom logits processors with any speculative config, but
+    only at worker start; the frame constraint is one, so start() refuses first, naming what works."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    config = LlmServerConfig(cache_dir=TINY_CACHE, device="cpu", enforce_eager=True, max_model_len=1024, speculative_config=spec)
+    refused = VllmEngine(config, resolve_model("tiny", TINY_CACHE))
+    with pytest.raises(EngineError, match="needs vLLM's Model Runner V2.*eagle, eagle3, ngram, mtp or draft_model"):
+        await refused.start()
+    assert refused.num_unfinished() == 0
+
+
 async def test_unconstrained_requests_are_left_alone(engine):
     tokens = await _generate(engine, Sampling(max_tokens=40, temperature=0, frame_constrained=False), "free-1")
     assert _misplaced(tokens), "a random model without the mask should stray outside the slots"
@@ -88,17 +104,13 @@ async def test_closing_the_stream_aborts_the_request(engine):
 def test_trtllm_backend_refuses_clearly_without_tensorrt_llm():
     """The second backend is importable everywhere and names what it needs where it cannot run."""
     from llm_server.engine import EngineError
-    from llm_server.trtllm_engine import FrameMask, TrtLlmEngine
+    from llm_server.trtllm_engine import TrtLlmEngine
 
     engine = TrtLlmEngine(LlmServerConfig(backend="trtllm"), "unused")
     with pytest.raises(EngineError, match="tensorrt_llm"):
         asyncio.run(engine.start())
     assert engine.num_unfinished() == 0
-    prompt = [1, 2, 3]
-    logits = torch.zeros(1, 156_940)
-    FrameMask(prompt)(0, logits, [prompt + [slot_range(0)[0], slot_range(1)[0]]], None, None)  # 2 generated: slot 2
-    allowed = torch.isfinite(logits[0]).nonzero().flatten()
-    assert allowed.min().item() == slot_range(2)[0] and allowed.max().item() == slot_range(2)[1] - 1
+    assert engine.describe()["engine"] == "trtllm"
 
 
 class RecordingEngine:

@@ -20,11 +20,15 @@ RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # and installs no compiler or build tool.
 FROM ${VLLM_IMAGE}
 COPY --from=wheel /wheels /tmp/wheels
+COPY deploy/docker/cuda-pins.txt /tmp/cuda-pins.txt
 # Keep the base image's vllm and torch exactly: a dependency that wanted others fails the build
-# instead of swapping the engine underneath.
+# instead of swapping the engine underneath. FlashInfer's cubins (TRT-LLM attention kernels) go in
+# at exactly FlashInfer's version, checked, so nothing is downloaded when a pod starts.
 RUN python3 -m pip freeze | grep -E '^(vllm|torch)==' > /tmp/keep.txt \
- && python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt /tmp/wheels/*.whl \
- && rm -rf /tmp/wheels /tmp/keep.txt \
+ && python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt --constraint /tmp/cuda-pins.txt \
+      --extra-index-url https://flashinfer.ai/whl/ /tmp/wheels/*.whl vllm flashinfer-python flashinfer-cubin \
+ && python3 -c "from importlib.metadata import version as v; assert v('flashinfer-cubin') == v('flashinfer-python'), (v('flashinfer-cubin'), v('flashinfer-python'))" \
+ && rm -rf /tmp/wheels /tmp/keep.txt /tmp/cuda-pins.txt \
  && groupadd --gid 10001 megapod \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megapod
 ENV HOME=/tmp PYTHONUNBUFFERED=1 HF_HOME=/cache/huggingface
