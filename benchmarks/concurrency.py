@@ -1,7 +1,7 @@
 """Concurrency benchmark: how many voice streams one GPU keeps in real time, and the latency they get.
 
 Drives any OpenAI-compatible POST /v1/audio/speech (`--url`), or starts this stack locally with
-`megapod up` (`--policy adaptive`, the default when no URL is given). For each concurrency level
+`megapod up` (`--policy streaming`, the default when no URL is given). For each concurrency level
 N: N closed-loop streams (each sends a request, reads it to its end, sends the next) start
 staggered, a warm-up is not counted, and the requests sent in the measuring window are the
 sample. Every chunk's arrival and audio bytes are timed on the client's clock. A level passes
@@ -16,7 +16,7 @@ timeline) and <prefix>-{ttfa,realtime,throughput}.png. Targets, windows and defa
 benchmarks/README.md. Run from the repository root:
 
     .venv/bin/python benchmarks/concurrency.py --quick                        # CPU smoke, < 10 min
-    .venv/bin/python benchmarks/concurrency.py --quick --policy adaptive --policy reference
+    .venv/bin/python benchmarks/concurrency.py --quick --policy streaming --policy reference
     .venv/bin/python benchmarks/concurrency.py --url http://10.0.0.5:8000 --gpus 8
 """
 
@@ -70,8 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("targets (two of them: a comparison)")
     t.add_argument("--url", action="append", default=[], help="an existing endpoint's base URL (repeatable)")
-    t.add_argument("--policy", action="append", default=[], choices=("adaptive", "exact", "reference"),
-                   help="start `megapod up --codec-policy P` here, on free ports (repeatable; default adaptive "
+    t.add_argument("--policy", action="append", default=[], choices=("streaming", "reference"),
+                   help="start `megapod up --codec-policy P` here, on free ports (repeatable; default streaming "
                         "when no --url)")
     t.add_argument("--megapod-args", default=None,
                    help=f"more `megapod up` flags for every stack started (default {FULL['megapod_args']!r}; "
@@ -122,7 +122,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if not args.url and not args.policy:
-        args.policy = ["adaptive"]
+        args.policy = ["streaming"]
     if len(args.url) + len(args.policy) > 2:
         p.error("one target, or two to compare")
     return args
@@ -214,7 +214,12 @@ async def measure(target: Target, targets: Sequence[Target], n: int, run: int, c
     before = cpu_snapshot(stacks)
     level_run = await Level(target.endpoint, shape, rt, corpus, n, run).run_level()
     record = level_record(level_run, rt, target.gpus)
-    record["cores"] = cpu_cores(before, cpu_snapshot(stacks))
+    after = cpu_snapshot(stacks)
+    record["cores"] = cpu_cores(before, after)
+    if target.stack:  # this level's codec CPU over all the audio its requests got
+        codec_s = after["stacks"][target.stack.name]["codec"] - before["stacks"][target.stack.name]["codec"]
+        audio_s = sum(n for r in level_run.requests for _, n in r.chunks) / BYTES_PER_AUDIO_S
+        record["codec_cpu_s"], record["audio_s"] = round(codec_s, 3), round(audio_s, 3)
     tag = {} if shape.mode == "closed" else {"mode": shape.mode}
     for row in jsonl_rows(level_run):
         jsonl.write(json.dumps({**row, **tag}, separators=(",", ":")) + "\n")

@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-seconds", type=float, default=120.0,
                    help="after --seconds, wait at most this long for requests in flight before cancelling them")
     p.add_argument("--voice", default="tara")
-    p.add_argument("--codec-policy", default="adaptive", choices=("adaptive", "exact", "reference"))
+    p.add_argument("--codec-policy", default="streaming", choices=("streaming", "reference"))
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "relay-cpu.json")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (their directory is printed)")
     args = p.parse_args(argv)

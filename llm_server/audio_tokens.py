@@ -46,6 +46,20 @@ def token_to_code(token: int, slot: int) -> int:
     return code
 
 
+def frame_violations(tokens: list[int]) -> list[tuple[int, int]]:
+    """(position, token) of every generated token outside its frame slot's ids; a stop token is
+    allowed only as end of speech at a frame boundary. Empty for a well-formed stream."""
+    bad = []
+    for k, token in enumerate(tokens):
+        first, last = slot_range(k % CODES_PER_FRAME)
+        if token in STOP_TOKEN_IDS:
+            if token != END_OF_SPEECH or k % CODES_PER_FRAME:
+                bad.append((k, token))
+        elif not first <= token < last:
+            bad.append((k, token))
+    return bad
+
+
 class FrameAssembler:
     """Turns a stream of generated token ids into complete frames of 7 codes.
 

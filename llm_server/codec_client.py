@@ -27,20 +27,16 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from snac_server.api import codec_pb2, codec_pb2_grpc
-from snac_server.chunking import EXACT_CONTEXT
-from snac_server.client import END_REQUEST, channel, frames_request
-from snac_server.config import SnacServerConfig
+from codec_contract.api import codec_pb2, codec_pb2_grpc
+from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, final_samples
+from codec_contract.client import END_REQUEST, SERVICE, channel, frames_request
 
 log = logging.getLogger(__name__)
 
 # Status codes after which the same frames are worth resending to another replica.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-_SERVICE = "megapod.codec.v1.SnacCodec"
-# A replica may wait for this many frames before it can emit a chunk (a chunk plus its right
-# context) when the client leaves chunk_frames to the server: the server's default limit.
-_SERVER_CHUNK_FRAMES = SnacServerConfig.chunk_frames
+_SAMPLE_BYTES = {codec_pb2.SAMPLE_FORMAT_S16LE: 2, codec_pb2.SAMPLE_FORMAT_F32LE: 4, codec_pb2.SAMPLE_FORMAT_UNSPECIFIED: 4}
 # A channel replaced after a TLS file changed stays open this long for the streams still on it.
 _RETIRE_GRACE_S = 300.0
 
@@ -64,8 +60,7 @@ class CodecClientConfig:
     """How the LLM tier reaches the codec tier."""
 
     addresses: str = "127.0.0.1:50051"
-    policy: int = codec_pb2.POLICY_ADAPTIVE
-    chunk_frames: int = 0  # 0: the codec server's default
+    policy: int = codec_pb2.POLICY_STREAMING
     sample_format: int = codec_pb2.SAMPLE_FORMAT_S16LE
     # Failed calls in a row (no audio in between) before a stream gives up. A hung replica stays
     # READY until keepalive notices (keepalive_s + keepalive_timeout_s), so a stream may stall
@@ -108,7 +103,7 @@ class CodecClient:
 
         try:
             reply = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=_SERVICE), timeout=timeout_s, wait_for_ready=True
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout_s, wait_for_ready=True
             )
         except grpc.aio.AioRpcError:
             return False
@@ -123,7 +118,7 @@ class CodecClient:
         c = self.config
         service_config = {
             "loadBalancingConfig": [{"round_robin": {}}],
-            "healthCheckConfig": {"serviceName": _SERVICE},
+            "healthCheckConfig": {"serviceName": SERVICE},
         }
         options = [
             ("grpc.service_config", json.dumps(service_config)),
@@ -162,10 +157,10 @@ class CodecClient:
 
 @dataclass(frozen=True)
 class AudioChunk:
-    """PCM for frames [first_frame, first_frame + num_frames) of a stream."""
+    """PCM for samples [first_sample, first_sample + num_samples) of a stream."""
 
-    first_frame: int
-    num_frames: int
+    first_sample: int
+    num_samples: int
     pcm: bytes
     final: bool
 
@@ -180,16 +175,16 @@ class CodecStream:
         self._config = config
         self._seed = seed
         self._stream_id = stream_id
-        self._frames = np.zeros((0, 7), dtype=np.int64)
+        self._frames = np.zeros((0, CODES_PER_FRAME), dtype=np.int64)
         self._frames_start = 0  # absolute index of self._frames[0]
-        self._delivered = 0  # next frame whose audio is still owed
+        self._delivered = 0  # next sample still owed
         self._ended = False
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reading: asyncio.Future | None = None  # the pending call.read(), kept across stall checks
         self._lock = asyncio.Lock()  # one writer at a time: resends must not interleave new frames
         self._cancelled = False
-        # Frames past the last delivered one beyond which any policy has a chunk to decode.
-        self._owed_frames = (config.chunk_frames or _SERVER_CHUNK_FRAMES) + EXACT_CONTEXT
+        self._opened = asyncio.Event()  # the first call is open (or the stream was cancelled first)
+        self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
 
@@ -223,7 +218,7 @@ class CodecStream:
             if self._cancelled:
                 raise CodecError("stream cancelled")
             if self._call is None:
-                await asyncio.sleep(0.005)  # nothing sent yet
+                await self._opened.wait()  # nothing sent yet
                 continue
             call = self._call
             message = await self._next_message(call)
@@ -242,16 +237,18 @@ class CodecStream:
     def cancel(self) -> None:
         """Abandon the stream (client went away): the codec drops its session."""
         self._cancelled = True
+        self._opened.set()
         if self._call is not None:
             self._call.cancel()
 
     def _accept(self, message: codec_pb2.PcmChunk) -> AudioChunk | None:
         """Advance past a chunk; drop audio already delivered by a previous replica."""
-        if message.first_frame != self._delivered:
-            raise CodecError(f"codec sent frame {message.first_frame}, expected {self._delivered}")
-        self._delivered += message.num_frames
+        if message.first_sample != self._delivered:
+            raise CodecError(f"codec sent sample {message.first_sample}, expected {self._delivered}")
+        samples = len(message.pcm) // self._sample_bytes
+        self._delivered += samples
         self._trim()
-        return AudioChunk(message.first_frame, message.num_frames, message.pcm, message.final)
+        return AudioChunk(message.first_sample, samples, message.pcm, message.final)
 
     async def _next_message(self, call: grpc.aio.StreamStreamCall) -> object:
         """The call's next message, EOF or error; DEADLINE_EXCEEDED if a replica owing audio goes quiet.
@@ -274,7 +271,7 @@ class CodecStream:
                 self._reading = None
                 return grpc.aio.AioRpcError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, None, None,
-                    f"no audio for {self._config.stall_timeout_s:.1f} s while owed frames from {self._delivered}",
+                    f"no audio for {self._config.stall_timeout_s:.1f} s while owed samples from {self._delivered}",
                 )
             try:
                 await asyncio.wait({reading}, timeout=self._config.stall_timeout_s if left is None else left)
@@ -290,9 +287,10 @@ class CodecStream:
             return exc
 
     def _owed(self) -> bool:
-        """Whether the replica should be producing audio: end sent, or frames enough for a chunk."""
+        """Whether the replica should be producing audio: the frames sent make samples final that
+        have not arrived (the contract says how many, per policy)."""
         sent = self._frames_start + len(self._frames)
-        return self._ended or sent - self._delivered >= self._owed_frames
+        return final_samples(self._config.policy, sent, self._ended) > self._delivered
 
     def _start_stall_clock(self, was_owed: bool) -> None:
         """The wait for audio starts when the stream becomes owed, not while it was idle."""
@@ -304,7 +302,7 @@ class CodecStream:
             raise CodecError("stream cancelled")
         if error.code() not in _RETRYABLE or attempts >= self._config.max_attempts:
             raise CodecError(f"codec stream failed ({error.code().name}): {error.details()}") from error
-        log.warning("codec replica lost (%s) at frame %d; resuming elsewhere", error.code().name, self._delivered)
+        log.warning("codec replica lost (%s) at sample %d; resuming elsewhere", error.code().name, self._delivered)
         async with self._lock:
             if self._call is call:  # not already replaced by a concurrent writer
                 call.cancel()
@@ -314,13 +312,13 @@ class CodecStream:
 
     async def _open(self) -> None:
         """Open a call and replay: header, the owed frames with their context, end if seen."""
-        first = max(self._frames_start, self._delivered - EXACT_CONTEXT)
+        first = self._resume_from()
         header = codec_pb2.SessionHeader(
-            seed=self._seed, policy=self._config.policy, chunk_frames=self._config.chunk_frames,
-            sample_format=self._config.sample_format,
-            first_frame=first, emit_from_frame=self._delivered, stream_id=self._stream_id,
+            seed=self._seed, policy=self._config.policy, sample_format=self._config.sample_format,
+            first_frame=first, emit_from_sample=self._delivered, stream_id=self._stream_id,
         )
         self._call = self._stub().Decode(wait_for_ready=True)
+        self._opened.set()
         await self._write(codec_pb2.DecodeRequest(header=header))
         pending = self._frames[first - self._frames_start :]
         if len(pending):
@@ -341,9 +339,14 @@ class CodecStream:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
 
+    def _resume_from(self) -> int:
+        """The first frame a resume sends: 3 before the frame of the first owed sample (the context
+        that rebuilds the decoder's state exactly), or the oldest frame kept."""
+        return max(self._frames_start, self._delivered // FRAME_SAMPLES - RESUME_CONTEXT_FRAMES)
+
     def _trim(self) -> None:
-        """Forget frames no resume can need: all but the 3 before the first owed frame."""
-        keep_from = max(self._frames_start, self._delivered - EXACT_CONTEXT)
+        """Forget frames no resume can need."""
+        keep_from = self._resume_from()
         if keep_from - self._frames_start > 64:
             self._frames = self._frames[keep_from - self._frames_start :]
             self._frames_start = keep_from

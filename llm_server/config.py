@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from codec_contract.audio import POLICIES
 from snac_server.config import config_from_args
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
@@ -44,7 +45,7 @@ class LlmServerConfig:
     voice_aliases: str = OPENAI_VOICE_ALIASES
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
-    codec_policy: str = "adaptive"
+    codec_policy: str = "streaming"  # streaming | reference (for comparison)
     # A codec stream owed audio that gets none for this long fails over (a hung replica).
     codec_stall_timeout_s: float = 10.0
     # TLS to the codec tier: a CA file turns it on; cert+key add a client certificate.
@@ -88,8 +89,8 @@ class LlmServerConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("vllm", "trtllm"):
             raise ValueError(f"backend must be vllm or trtllm, not {self.backend!r}")
-        if self.codec_policy not in ("adaptive", "exact", "reference"):
-            raise ValueError(f"codec_policy must be adaptive, exact or reference, not {self.codec_policy!r}")
+        if self.codec_policy not in POLICIES:
+            raise ValueError(f"codec_policy must be one of {sorted(POLICIES)}, not {self.codec_policy!r}")
         if self.max_streams < 1 or self.max_input_chars < 1 or self.max_segment_chars < 16:
             raise ValueError("max_streams and max_input_chars must be >= 1, max_segment_chars >= 16")
         unknown = set(self.voice_map.values()) - set(self.voices)

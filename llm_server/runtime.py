@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from snac_server.api import codec_pb2
+from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
 from .codec_client import CodecClient, CodecClientConfig
@@ -18,18 +18,11 @@ from .speech import SpeechPipeline
 
 log = logging.getLogger(__name__)
 
-_CODEC_POLICIES = {
-    "adaptive": codec_pb2.POLICY_ADAPTIVE,
-    "exact": codec_pb2.POLICY_EXACT,
-    "reference": codec_pb2.POLICY_REFERENCE,
-}
-
-
 def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
     """The worker's settings for its codec client: replicas, policy, stall deadline, TLS."""
     return CodecClientConfig(
         addresses=config.snac,
-        policy=_CODEC_POLICIES[config.codec_policy],
+        policy=POLICIES[config.codec_policy],
         stall_timeout_s=config.codec_stall_timeout_s,
         tls_ca=config.codec_tls_ca,
         tls_cert=config.codec_tls_cert,

@@ -1,4 +1,5 @@
-"""The `megapod` command: `up` runs a MegaPod here, `deploy` puts one on Kubernetes, `say` speaks through one."""
+"""The `megapod` command: `up` runs a MegaPod here, `deploy` puts one on Kubernetes, `say` speaks through one,
+`doctor` checks a machine (its GPU, if it has one) and says how many streams it carries."""
 
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run a MegaPod on this machine (flags: megapod up --help)", add_help=False)
     sub.add_parser("deploy", help="deploy a MegaPod to Kubernetes (flags: megapod deploy --help)", add_help=False)
+    sub.add_parser("doctor", help="check this machine's GPU (or CPU) and measure it (flags: megapod doctor --help)",
+                   add_help=False)
     speak = sub.add_parser("say", help="speak text through a running endpoint")
     speak.add_argument("text")
     speak.add_argument("--voice", default="tara")
@@ -103,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(up(megapod_config_from_cli(argv[1:])))
         except GpuLayoutError as exc:
             sys.exit(f"megapod up: {exc}")
+        return
+    if argv and argv[0] == "doctor":
+        from .doctor import main as doctor_main  # torch and vLLM load only for the doctor
+
+        doctor_main(argv[1:])
         return
     if argv and argv[0] == "deploy":
         from .deploy_cli import main as deploy_main  # the kubernetes client loads only when deploying

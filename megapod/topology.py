@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from codec_contract.audio import POLICIES
 from snac_server.config import config_from_args
 
 RANDOM_LLM = "tiny"
@@ -41,7 +42,7 @@ class MegaPodConfig:
     max_streams_per_worker: int = 16
     snac_max_batch: int = 32
     snac_max_wait_ms: float = 5.0
-    codec_policy: str = "adaptive"
+    codec_policy: str = "streaming"  # streaming | reference (for comparison)
     max_model_len: int = 2048
     enforce_eager: bool = False
     grace_s: float = 15.0  # drain time on stop, per tier
@@ -50,8 +51,8 @@ class MegaPodConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.replicas < 1:
             raise ValueError("a MegaPod needs at least one worker and one replica")
-        if self.codec_policy not in ("adaptive", "exact", "reference"):
-            raise ValueError(f"codec_policy must be adaptive, exact or reference, not {self.codec_policy!r}")
+        if self.codec_policy not in POLICIES:
+            raise ValueError(f"codec_policy must be one of {sorted(POLICIES)}, not {self.codec_policy!r}")
         for name in ("llm_device", "snac_device"):
             if getattr(self, name) not in ("auto", "cuda", "cpu"):
                 raise ValueError(f"{name} is auto, cuda or cpu (choose GPUs with llm_gpus/snac_gpu), not {getattr(self, name)!r}")

@@ -2,8 +2,8 @@
 
 Usage: python proto/generate.py [OUT_DIR]   (default: the repository root)
 
-Proto paths mirror Python package paths (proto/snac_server/api/codec.proto becomes
-snac_server/api/codec_pb2.py), so the generated imports need no rewriting.
+Proto paths mirror Python package paths (proto/codec_contract/api/codec.proto becomes
+codec_contract/api/codec_pb2.py), so the generated imports need no rewriting.
 """
 
 from __future__ import annotations

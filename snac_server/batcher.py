@@ -1,8 +1,14 @@
-"""The micro-batch scheduler shared by every stream, on one dedicated decode thread.
+"""The decode scheduler shared by every stream, on one dedicated thread: continuous batching of steps.
 
-Loop: block for work only when idle; gather rows until the batch is full or the oldest
-row has waited max_wait; decode them in one step; publish each row's PCM back to the
-event loop that asked. The asyncio side never waits on the model, only on futures.
+Each stream has at most one row queued or decoding; a stream with new frames submits its next row
+as soon as its last one is back. Loop: block for work only when idle; gather rows until the batch
+is full or the first one has waited max_wait; decode them in one step; hand each row's PCM back to
+the event loop that asked. The asyncio side never waits on the model, only on futures.
+
+A step that raises is retried row by row, so only the row that fails fails: the streaming decoder
+writes state back only after a whole forward succeeded, so a retry starts from the same state.
+State slots are handed out on the event loop and taken back here, in queue order, after every row
+their stream submitted is done (a slot reused sooner could share a step with its old stream's row).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 
 from .metrics import SnacMetrics
 from .runner import DecoderRunner
-from .session import DecodeRow
+from .session import Row, StreamStep
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +37,39 @@ class WarmUpFailed(RuntimeError):
 class DecodeJob:
     """A row waiting to be decoded and the future its stream awaits."""
 
-    row: DecodeRow
+    row: Row
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class _Release:
+    """Take a slot back once everything queued before it is done."""
+
+    slot: int
+
+
+class SlotPool:
+    """The streaming decoder's state slots: taken on the event loop, given back on the decode thread."""
+
+    def __init__(self, size: int) -> None:
+        self._free = list(range(size - 1, -1, -1))  # a stack: low slots first, so few pages are ever touched
+        self._lock = threading.Lock()
+        self.size = size
+
+    def acquire(self) -> int | None:
+        """A free slot, or None when every slot holds a stream."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def in_use(self) -> int:
+        with self._lock:
+            return self.size - len(self._free)
 
 
 def _resolve(future: asyncio.Future, result: np.ndarray | BaseException) -> None:
@@ -46,6 +81,14 @@ def _resolve(future: asyncio.Future, result: np.ndarray | BaseException) -> None
         future.set_result(result)
 
 
+def _hand_back(job: DecodeJob, result: np.ndarray | BaseException) -> None:
+    """Resolve the job's future on its own event loop (thread-safe)."""
+    try:
+        job.loop.call_soon_threadsafe(_resolve, job.future, result)
+    except RuntimeError:  # that stream's event loop is closed
+        pass
+
+
 class MicroBatcher:
     """Owns the decode thread. submit() is called from the event loop; results come back as futures."""
 
@@ -54,7 +97,9 @@ class MicroBatcher:
         self._max_batch = max_batch
         self._max_wait_s = max_wait_s
         self._metrics = metrics
-        self._queue: queue.SimpleQueue[DecodeJob | None] = queue.SimpleQueue()
+        self.slots = SlotPool(runner.streaming.num_slots)
+        metrics.slots_in_use.set_function(self.slots.in_use)
+        self._queue: queue.SimpleQueue[DecodeJob | _Release | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="snac-decode", daemon=True)
         self._warmed_up = threading.Event()
         self._warm_up_error: BaseException | None = None
@@ -74,12 +119,16 @@ class MicroBatcher:
         self._queue.put(None)
         self._thread.join()
 
-    def submit(self, row: DecodeRow) -> asyncio.Future:
+    def submit(self, row: Row) -> asyncio.Future:
         """Queue a row; the returned future resolves to its float32 PCM."""
         loop = asyncio.get_running_loop()
         job = DecodeJob(row, loop.create_future(), loop)
         self._queue.put(job)
         return job.future
+
+    def release_slot(self, slot: int) -> None:
+        """A stream is done with its slot: it goes back after the stream's queued rows."""
+        self._queue.put(_Release(slot))
 
     def _loop(self) -> None:
         try:
@@ -94,53 +143,61 @@ class MicroBatcher:
             first = self._queue.get()  # block only when idle
             if first is None:
                 return
-            jobs, stopping = self._gather(first)
+            if isinstance(first, _Release):  # nothing of its stream is left in the queue
+                self.slots.release(first.slot)
+                continue
+            jobs, releases, stopping = self._gather(first)
             self._step(jobs)
+            for release in releases:
+                self.slots.release(release.slot)
             if stopping:
                 return
 
-    def _gather(self, first: DecodeJob) -> tuple[list[DecodeJob], bool]:
+    def _gather(self, first: DecodeJob) -> tuple[list[DecodeJob], list[_Release], bool]:
         """Collect jobs until the batch is full or the first one has waited max_wait."""
-        jobs = [first]
+        jobs, releases = [first], []
         deadline = first.enqueued + self._max_wait_s
         while len(jobs) < self._max_batch:
             try:
-                job = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                item = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
             except queue.Empty:
                 break
-            if job is None:
-                return jobs, True
-            jobs.append(job)
-        return jobs, False
+            if item is None:
+                return jobs, releases, True
+            if isinstance(item, _Release):
+                releases.append(item)
+            else:
+                jobs.append(item)
+        return jobs, releases, False
 
     def _step(self, jobs: list[DecodeJob]) -> None:
-        """Decode one batch and publish every row's result (or the error) to its loop."""
+        """Decode one batch and hand every row's result back; a failure is retried row by row."""
         jobs = [j for j in jobs if not j.future.cancelled()]
         if not jobs:
             return
         started = time.perf_counter()
         for job in jobs:
             self._metrics.queue_wait.observe(started - job.enqueued)
-        published = [False] * len(jobs)
+        done: set[int] = set()
 
         def publish(indices: list[int], pcms: list[np.ndarray]) -> None:
             for i, pcm in zip(indices, pcms):
-                published[i] = True
+                done.add(i)
                 _hand_back(jobs[i], pcm)
 
         try:
             self._runner.decode([j.row for j in jobs], publish)
-        except Exception as exc:  # a model failure fails this batch's streams, not the server
-            log.exception("decode step failed")
-            for job, done in zip(jobs, published):
-                if not done:
-                    _hand_back(job, exc)
-        self._metrics.observe_step(len(jobs), sum(j.row.keep_end - j.row.keep_start for j in jobs), started)
+        except Exception:  # find the row that fails; the others' state was not touched
+            log.exception("decode step of %d rows failed; retrying them one by one", len(jobs) - len(done))
+            for i, job in enumerate(jobs):
+                if i not in done:
+                    self._decode_alone(job)
+        frames = sum(len(j.row.codes) if isinstance(j.row, StreamStep) else len(j.row.frames) for j in jobs)
+        self._metrics.observe_step(len(jobs), frames, started)
 
-
-def _hand_back(job: DecodeJob, result: np.ndarray | BaseException) -> None:
-    """Resolve the job's future on its own event loop (thread-safe)."""
-    try:
-        job.loop.call_soon_threadsafe(_resolve, job.future, result)
-    except RuntimeError:  # that stream's event loop is closed
-        pass
+    def _decode_alone(self, job: DecodeJob) -> None:
+        try:
+            self._runner.decode([job.row], lambda _, pcms: _hand_back(job, pcms[0]))
+        except Exception as exc:
+            log.error("decode of one stream's row failed: %s", exc)
+            _hand_back(job, exc)

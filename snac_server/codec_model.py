@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .frames import frames_to_levels
-from .noise import NoiseContext, PositionalNoise
+from .noise import NoiseContext, PositionalNoise, fold_seed
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class SnacDecoder(nn.Module):
         self.to(device=device, dtype=dtype)
         self.device = device
         self.dtype = dtype
+        self.snr_db = float("inf")  # against fp32 on the same weights (measured at load for half precision)
 
     @torch.inference_mode()
     def forward(self, frames: torch.Tensor, seeds: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ class SnacDecoder(nn.Module):
     def decode_full(self, frames: np.ndarray, seed: int) -> np.ndarray:
         """Decode one whole stream in one forward: the ground truth for chunked decoding."""
         batch = torch.as_tensor(frames[None], dtype=torch.int64, device=self.device)
-        seeds = torch.tensor([seed], dtype=torch.int64, device=self.device)
+        seeds = torch.tensor([fold_seed(seed)], dtype=torch.int64, device=self.device)
         start = torch.zeros(1, dtype=torch.int64, device=self.device)
         return self(batch, seeds, start)[0].cpu().numpy()
 
@@ -163,5 +164,5 @@ def build_decoder(model: str, device: str, dtype: str, max_batch: int) -> SnacDe
     use_exact_fp32()  # the reference of a half-precision check is fp32 too
     decoder = SnacDecoder(load_snac(model), max_batch, torch.device(device), torch_dtype)
     if torch_dtype != torch.float32:
-        check_half_precision(model, decoder)
+        decoder.snr_db = check_half_precision(model, decoder)
     return decoder

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .chunking import EXACT_CONTEXT, Policy
+from codec_contract.audio import POLICIES
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -30,15 +30,14 @@ class SnacServerConfig:
     dtype: str = "float32"
     max_batch: int = 32  # rows per decode step
     max_wait_ms: float = 5.0  # how long the first row of a step waits for company
-    # Frames (rows x window) per eager forward; a step's rows are split above it. On CPU a big
-    # forward's activations leave the cache and each frame costs more. 0: 48 on CPU, no cap on GPU.
+    # Frames (rows x frames per row) per eager forward; a step's rows are split above it. On CPU a
+    # big forward's activations leave the cache and each frame costs more. 0: 48 on CPU, no cap on GPU.
     max_step_frames: int = 0
-    cuda_graphs: bool = True  # capture one graph per (batch, window) bucket on GPU
-    window_buckets: tuple[int, ...] = (4, 8, 12, 16, 24)  # decode window lengths, in frames
-    policy: str = "adaptive"  # default for sessions that do not choose
-    chunk_frames: int = 16  # exact: chunk size; adaptive: largest chunk
-    max_inflight_chunks: int = 2  # per stream, so one fast stream cannot fill every batch
-    max_streams: int = 1024  # more concurrent streams get RESOURCE_EXHAUSTED
+    cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
+    # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits.
+    frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    policy: str = "streaming"  # default for sessions that do not choose: streaming | reference
+    max_streams: int = 1024  # concurrent streams, and decoder state slots (485 KiB each in fp32)
     max_connection_age_s: float = 300.0  # clients reconnect, so new replicas get traffic
     grace_s: float = 30.0  # SIGTERM: how long in-flight streams may finish
     # TLS: cert+key turn it on (re-read when the files change); a client CA also requires client certs.
@@ -49,19 +48,16 @@ class SnacServerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
-        Policy(self.policy)  # raises ValueError naming the bad value
-        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_inflight_chunks < 1 or self.max_step_frames < 0:
-            raise ValueError("max_batch and max_inflight_chunks must be >= 1, max_wait_ms and max_step_frames >= 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {self.policy!r}")
+        if self.max_batch < 1 or self.max_streams < 1 or self.max_wait_ms < 0 or self.max_step_frames < 0:
+            raise ValueError("max_batch and max_streams must be >= 1, max_wait_ms and max_step_frames >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (client certificates need TLS)")
-        if not self.window_buckets or min(self.window_buckets) < 4:
-            raise ValueError("window_buckets needs at least one size, each >= 4 frames")
-        if self.chunk_frames < 1 or self.chunk_frames + 2 * EXACT_CONTEXT > max(self.window_buckets):
-            raise ValueError(
-                f"chunk_frames {self.chunk_frames} needs a window bucket >= chunk_frames + {2 * EXACT_CONTEXT}"
-            )
+        if not self.frame_buckets or 1 not in self.frame_buckets or min(self.frame_buckets) < 1:
+            raise ValueError("frame_buckets must include 1 (every stream can advance by one frame), all >= 1")
 
     @property
     def resolved_device(self) -> str:

@@ -12,11 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-CODES_PER_FRAME = 7
-CODEBOOK_SIZE = 4096
-SAMPLE_RATE = 24_000
-FRAME_SAMPLES = 2048
-FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
+
+__all__ = ["CODEBOOK_SIZE", "CODES_PER_FRAME", "FRAME_SAMPLES", "InvalidFrames", "frames_to_levels", "validate_frames"]
 
 # The slots of each level, in the order their codes follow each other within a frame.
 _L1_SLOTS = (1, 4)

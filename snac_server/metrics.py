@@ -32,11 +32,18 @@ class SnacMetrics:
             registry=r,
         )
         self.active_streams = Gauge("snac_active_streams", "Open decode streams", registry=r)
-        self.frames_decoded = Counter("snac_frames_decoded", "Frames whose audio was produced", registry=r)
+        self.slots_in_use = Gauge("snac_state_slots_in_use", "Streaming decoder state slots holding a stream", registry=r)
+        # Their ratio is the decoder's redundancy: ~1.0 streaming (plus flush and resume context), 4.0 reference.
+        self.frames_decoded = Counter(
+            "snac_decoded_frames", "Frames run through the decoder (context, flush and replay included)", registry=r
+        )
+        self.frames_emitted = Counter("snac_emitted_frames", "Audio sent to clients, in frames (2048 samples)", registry=r)
         self.streams_total = Counter("snac_streams", "Decode streams by outcome", ["outcome"], registry=r)
+        self.decoder_snr_db = Gauge("snac_decoder_snr_db", "The decoder's SNR against fp32 on the served weights "
+                                    "(+Inf in fp32; measured at start-up for fp16/bf16)", registry=r)
 
     def observe_step(self, rows: int, frames: int, started: float) -> None:
-        """Record one decode step of `rows` rows emitting `frames` frames."""
+        """Record one decode step of `rows` rows that ran `frames` frames through the decoder."""
         self.batch_size.observe(rows)
         self.step_latency.observe(time.perf_counter() - started)
         self.frames_decoded.inc(frames)

@@ -31,6 +31,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def fold_seed(seed: int) -> int:
+    """A stream's 64-bit seed folded to the 32 bits the noise hash takes."""
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
 def positional_gaussian(seed: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
     """Standard normal samples keyed by (seed[b], layer, positions[b, t]).
 

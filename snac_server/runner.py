@@ -1,8 +1,11 @@
-"""The decoder runner: padded bucket shapes in, PCM out; CUDA Graphs on GPU.
+"""The decoder runner: rows in, PCM out, on the batcher's thread; CUDA Graphs on GPU.
 
-Runs only on the batcher's thread. Rows are grouped by window length into fixed buckets;
-on GPU each (batch size, window) bucket replays a CUDA Graph captured at start-up (the
-SNAC decoder is ~320 small kernels, so launch overhead, not FLOPs, bounds it).
+Rows of the same shape share a forward: streaming steps by frames per row, reference windows by
+window length. On GPU each (batch size, shape) replays a CUDA Graph captured at start-up (SNAC's
+decoder is hundreds of small kernels: launches, not FLOPs, bound it); a batch is padded up to the
+next captured size, its padding rows pointed at the streaming decoder's scratch slot. The host
+stages each forward's inputs in pinned memory, copies them in without blocking, and reads the PCM
+back once per forward.
 """
 
 from __future__ import annotations
@@ -10,19 +13,22 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .codec_model import SnacDecoder
-from .frames import CODES_PER_FRAME, FRAME_SAMPLES
-from .session import DecodeRow
+from .frames import CODES_PER_FRAME
+from .noise import fold_seed
+from .session import Row, StreamStep, Window
+from .streaming import OPEN_END, StreamingDecoder
 
 log = logging.getLogger(__name__)
 
 Publish = Callable[[list[int], list[np.ndarray]], None]
 CPU_STEP_FRAMES = 48  # per frame, a 192-frame forward costs ~2x a 48-frame one on CPU: benchmarks/forward_cost.py
+REFERENCE_WINDOW = 4
 
 
 def batch_ladder(max_batch: int) -> tuple[int, ...]:
@@ -36,57 +42,47 @@ def batch_ladder(max_batch: int) -> tuple[int, ...]:
 
 
 class _Graph:
-    """One captured decode of a fixed (batch, window) shape and its static buffers."""
+    """One captured forward of a fixed batch size and its static input buffers."""
 
-    def __init__(self, decoder: SnacDecoder, batch: int, window: int, pool: object) -> None:
-        device = decoder.device
-        self.frames = torch.zeros(batch, window, CODES_PER_FRAME, dtype=torch.int64, device=device)
-        self.seeds = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.frame0 = torch.zeros(batch, dtype=torch.int64, device=device)
-        side = torch.cuda.Stream(device)
+    def __init__(self, forward: Callable[..., torch.Tensor], inputs: list[torch.Tensor], pad: list[int], pool: object) -> None:
+        self.inputs, self.pad = inputs, pad
+        side = torch.cuda.Stream(inputs[0].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up on a side stream before capture, as CUDA Graphs require
             for _ in range(2):
-                decoder(self.frames, self.seeds, self.frame0)
+                forward(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = decoder(self.frames, self.seeds, self.frame0)
+            self.out = forward(*inputs)
 
-    def run(self, frames: torch.Tensor, seeds: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
-        b = frames.shape[0]
-        if frames.shape[1:] != self.frames.shape[1:] or b > self.frames.shape[0]:
-            raise ValueError(
-                f"frames shape {tuple(frames.shape)} does not fit graph input {tuple(self.frames.shape)}"
-            )
-        self.frames[:b].copy_(frames, non_blocking=True)
-        self.frames[b:].zero_()
-        self.seeds[:b].copy_(seeds, non_blocking=True)
-        self.frame0[:b].copy_(frame0, non_blocking=True)
+    def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
+        b = args[0].shape[0]
+        for static, arg, pad in zip(self.inputs, args, self.pad):
+            if arg.shape[1:] != static.shape[1:] or b > static.shape[0]:
+                raise ValueError(f"input of shape {tuple(arg.shape)} does not fit graph input {tuple(static.shape)}")
+            static[:b].copy_(arg, non_blocking=True)  # pinned host memory: no wait
+            static[b:].fill_(pad)
         self.graph.replay()
         return self.out[:b]
 
 
 class DecoderRunner:
-    """Decode DecodeRows in bucketed batches; eager on CPU, CUDA Graphs on GPU when enabled."""
+    """Decode rows: streaming steps through `streaming`, reference windows through `full`."""
 
-    def __init__(
-        self,
-        decoder: SnacDecoder,
-        window_buckets: tuple[int, ...],
-        max_batch: int,
-        cuda_graphs: bool,
-        max_step_frames: int = 0,
-    ) -> None:
-        self.decoder = decoder
-        self.window_buckets = tuple(sorted(window_buckets))
+    def __init__(self, full: SnacDecoder, streaming: StreamingDecoder, max_batch: int, frame_buckets: tuple[int, ...],
+                 cuda_graphs: bool, max_step_frames: int = 0) -> None:
+        self.full = full
+        self.streaming = streaming
+        self.device = full.device
         self.max_batch = max_batch
-        self.use_graphs = cuda_graphs and decoder.device.type == "cuda"
+        self.frame_buckets = tuple(sorted(frame_buckets))
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
         if max_step_frames == 0:
-            max_step_frames = CPU_STEP_FRAMES if decoder.device.type == "cpu" else 0
+            max_step_frames = CPU_STEP_FRAMES if self.device.type == "cpu" else 0
         self.max_step_frames = max_step_frames
         self.batch_sizes = batch_ladder(max_batch)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: dict[tuple[str, int, int], _Graph] = {}
 
     def bind_thread(self) -> None:
         """Make the calling thread's current CUDA device the decoder's (the decode thread calls this).
@@ -94,82 +90,74 @@ class DecoderRunner:
         A new thread starts on device 0: without this, a decoder on cuda:N would capture its graphs
         and run its side streams on device 0's streams.
         """
-        if self.decoder.device.type == "cuda":
-            torch.cuda.set_device(self.decoder.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def warm_up(self) -> None:
-        """Capture every bucket's graph (GPU) or run each window once (CPU) before serving."""
+        """Capture every graph (GPU) or run each shape once (CPU) before serving."""
+        shapes = [("step", f) for f in self.frame_buckets] + [("window", REFERENCE_WINDOW)]
         if not self.use_graphs:
-            for window in self.window_buckets:
-                frames = torch.zeros(1, window, CODES_PER_FRAME, dtype=torch.int64, device=self.decoder.device)
-                zeros = torch.zeros(1, dtype=torch.int64, device=self.decoder.device)
-                self.decoder(frames, zeros, zeros)
+            for kind, n in shapes:
+                self._forward(kind, n, self._example(kind, 1, n))
             return
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the memory pool the largest one sized.
-        for window in reversed(self.window_buckets):
+        for kind, n in sorted(shapes, key=lambda s: -s[1]):
             for batch in reversed(self.batch_sizes):
-                self._graphs[(batch, window)] = _Graph(self.decoder, batch, window, pool)
+                inputs = [t.to(self.device) for t in self._example(kind, batch, n)]
+                pad = [self.streaming.num_slots, 0, 0, OPEN_END, 0, 1] if kind == "step" else [0, 0, 0]
+                self._graphs[(kind, batch, n)] = _Graph(self._model(kind), inputs, pad, pool)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs", len(self._graphs))
 
-    def bucket_of(self, row: DecodeRow) -> int:
-        """The window length a row is decoded at: its bucket, or its exact length."""
-        n = len(row.frames)
-        i = bisect.bisect_left(self.window_buckets, n)
-        if i == len(self.window_buckets):
-            return n
-        width = self.window_buckets[i]
-        return width if (row.pad_ok or width == n) else n
-
-    def rows_per_forward(self, window: int) -> int:
-        """How many rows of this window one forward takes: max_batch, or fewer under max_step_frames."""
+    def rows_per_forward(self, frames: int) -> int:
+        """How many rows of `frames` frames one forward takes: max_batch, or fewer under max_step_frames."""
         if not self.max_step_frames:
             return self.max_batch
-        return max(1, min(self.max_batch, self.max_step_frames // window))
+        return max(1, min(self.max_batch, self.max_step_frames // frames))
 
-    def decode(self, rows: list[DecodeRow], publish: Publish | None = None) -> list[np.ndarray]:
-        """PCM (float32, the kept frames only) for each row, in the order given.
-
-        `publish(indices, pcms)` is called after each forward, so a step split into several
-        forwards hands its first rows back without waiting for the last.
-        """
-        groups: dict[int, list[int]] = defaultdict(list)
+    def decode(self, rows: list[Row], publish: Publish) -> None:
+        """Decode `rows`, one forward per shape group (split to rows_per_forward); after each forward,
+        `publish(indices, pcms)` hands those rows' float32 PCM back. Raises what a forward raised."""
+        groups: dict[tuple[str, int], list[int]] = defaultdict(list)
         for i, row in enumerate(rows):
-            groups[self.bucket_of(row)].append(i)
-        out: list[np.ndarray] = [np.empty(0, np.float32)] * len(rows)
-        for window, idx in groups.items():
-            step = self.rows_per_forward(window)
+            groups[("step", len(row.codes)) if isinstance(row, StreamStep) else ("window", len(row.frames))].append(i)
+        for (kind, n), idx in groups.items():
+            step = self.rows_per_forward(n)
             for lo in range(0, len(idx), step):
                 part = idx[lo : lo + step]
-                pcms = self._decode_group([rows[i] for i in part], window)
-                for i, pcm in zip(part, pcms):
-                    out[i] = pcm
-                if publish is not None:
-                    publish(part, pcms)
-        return out
+                audio = self._forward(kind, n, self._stage(kind, [rows[i] for i in part]))
+                audio = audio.cpu().numpy()  # the one device-to-host copy of the forward
+                publish(part, list(audio))
 
-    def _decode_group(self, rows: list[DecodeRow], window: int) -> list[np.ndarray]:
-        frames = np.zeros((len(rows), window, CODES_PER_FRAME), dtype=np.int64)
-        for i, row in enumerate(rows):
-            frames[i, : len(row.frames)] = row.frames
-        seeds = torch.tensor([(r.seed ^ (r.seed >> 32)) & 0xFFFFFFFF for r in rows], dtype=torch.int64)
-        frame0 = torch.tensor([r.frame0 for r in rows], dtype=torch.int64)
-        audio = self._forward(torch.from_numpy(frames), seeds, frame0)
-        audio = audio.cpu().numpy()  # the one device-to-host copy of the step
-        return [
-            audio[i, r.keep_start * FRAME_SAMPLES : r.keep_end * FRAME_SAMPLES].copy() for i, r in enumerate(rows)
-        ]
+    def _model(self, kind: str) -> Callable[..., torch.Tensor]:
+        return self.streaming if kind == "step" else self.full
 
-    def _forward(self, frames: torch.Tensor, seeds: torch.Tensor, frame0: torch.Tensor) -> torch.Tensor:
-        device = self.decoder.device
-        if device.type == "cuda":
-            # Pinned host memory lets the host-to-device copies run without blocking the thread.
-            frames, seeds, frame0 = (t.pin_memory() for t in (frames, seeds, frame0))
-        b, window = frames.shape[0], frames.shape[1]
+    def _forward(self, kind: str, n: int, args: list[torch.Tensor]) -> torch.Tensor:
+        b = args[0].shape[0]
         if self.use_graphs:
             i = bisect.bisect_left(self.batch_sizes, b)
-            graph = self._graphs.get((self.batch_sizes[i], window)) if i < len(self.batch_sizes) else None
+            graph = self._graphs.get((kind, self.batch_sizes[i], n)) if i < len(self.batch_sizes) else None
             if graph is not None:
-                return graph.run(frames, seeds, frame0)
-        return self.decoder(*(t.to(device, non_blocking=True) for t in (frames, seeds, frame0)))
+                return graph.run(args)
+        return self._model(kind)(*(t.to(self.device, non_blocking=True) for t in args))
+
+    def _stage(self, kind: str, rows: list[Row]) -> list[torch.Tensor]:
+        """The forward's inputs as host tensors (pinned on GPU, so the copies in do not block)."""
+        seeds = np.array([fold_seed(r.seed) for r in rows], dtype=np.int64)
+        frame0 = np.array([r.frame0 for r in rows], dtype=np.int64)
+        if kind == "step":
+            host = [np.array([r.slot for r in rows], dtype=np.int64), np.stack([r.codes for r in rows]).astype(np.int64),
+                    frame0, np.array([r.end for r in rows], dtype=np.int64), seeds, np.array([r.fresh for r in rows])]
+        else:
+            host = [np.stack([r.frames for r in rows]).astype(np.int64), seeds, frame0]
+        tensors = [torch.from_numpy(a) for a in host]
+        return [t.pin_memory() for t in tensors] if self.device.type == "cuda" else tensors
+
+    def _example(self, kind: str, batch: int, n: int) -> list[torch.Tensor]:
+        """Inputs of one shape for warm-up and capture (padding rows on the scratch slot)."""
+        if kind == "step":
+            rows = [StreamStep(self.streaming.num_slots, np.zeros((n, CODES_PER_FRAME), np.int32), 0, OPEN_END, 0, True)]
+        else:
+            rows = [Window(np.zeros((n, CODES_PER_FRAME), np.int32), 0, 0)]
+        return self._stage(kind, rows * batch)

@@ -16,17 +16,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from .api import codec_pb2, codec_pb2_grpc
+from codec_contract.api import codec_pb2, codec_pb2_grpc
+from codec_contract.audio import STREAMING_DELAY_SAMPLES
+from codec_contract.client import SERVICE
+
 from .batcher import MicroBatcher, WarmUpFailed
 from .codec_model import build_decoder
 from .config import SnacServerConfig, snac_config_from_cli
 from .metrics import SnacMetrics
 from .runner import DecoderRunner
 from .service import CodecService
+from .streaming import StreamingDecoder
 
 log = logging.getLogger("snac_server")
 
-SERVICE_NAME = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name
 
 
 @dataclass
@@ -59,7 +62,7 @@ class SnacServer:
             self._stop_metrics()
             raise
         await self.grpc_server.start()
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -122,9 +125,13 @@ def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
     """Load the model and wire every part; returns the server and its bound gRPC port."""
     metrics = SnacMetrics()
     decoder = build_decoder(config.model, config.resolved_device, config.dtype, config.max_batch)
-    runner = DecoderRunner(decoder, config.window_buckets, config.max_batch, config.cuda_graphs, config.max_step_frames)
+    metrics.decoder_snr_db.set(decoder.snr_db)
+    streaming = StreamingDecoder(decoder, num_slots=config.max_streams)
+    if streaming.delay != STREAMING_DELAY_SAMPLES:  # clients time their stall detector by the contract's figure
+        raise ValueError(f"{config.model} decodes with a delay of {streaming.delay} samples, the contract says {STREAMING_DELAY_SAMPLES}")
+    runner = DecoderRunner(decoder, streaming, config.max_batch, config.frame_buckets, config.cuda_graphs, config.max_step_frames)
     batcher = MicroBatcher(runner, config.max_batch, config.max_wait_ms / 1000.0, metrics)
-    service = CodecService(config, batcher, metrics)
+    service = CodecService(config, batcher, metrics, streaming.delay)
     options = [
         ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
         ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)),
@@ -138,7 +145,7 @@ def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
     codec_pb2_grpc.add_SnacCodecServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert:
         port = server.add_secure_port(address, server_credentials(config))

@@ -1,8 +1,9 @@
 """The gRPC Decode service: one bidirectional stream per TTS stream.
 
-Per stream, a reader task turns requests into session input and planned rows, while the
-handler itself awaits the rows' PCM in order and writes chunks. Bad input aborts only
-that stream with INVALID_ARGUMENT, before anything reaches the model.
+Per stream, a reader task feeds the client's frames into the session while the handler decodes:
+it submits the session's next row (every frame that arrived since the last one), awaits its PCM,
+and sends the samples that became final. Bad input aborts only that stream with INVALID_ARGUMENT,
+before anything reaches the model.
 """
 
 from __future__ import annotations
@@ -16,42 +17,39 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from .api import codec_pb2, codec_pb2_grpc
+from codec_contract.api import codec_pb2, codec_pb2_grpc
+from codec_contract.audio import FRAME_SAMPLES
+
 from .batcher import MicroBatcher
-from .chunking import AdaptiveSchedule, Policy
 from .config import SnacServerConfig
 from .frames import InvalidFrames
 from .metrics import SnacMetrics
-from .session import DecodeRow, DecodeSession, SessionSettings
+from .session import Emission, ReferenceSession, SessionSettings, StreamingSession
 
 log = logging.getLogger(__name__)
 
-_POLICIES = {
-    codec_pb2.POLICY_REFERENCE: Policy.REFERENCE,
-    codec_pb2.POLICY_EXACT: Policy.EXACT,
-    codec_pb2.POLICY_ADAPTIVE: Policy.ADAPTIVE,
-}
+_POLICIES = {codec_pb2.POLICY_STREAMING: "streaming", codec_pb2.POLICY_REFERENCE: "reference"}
 # Frames a client may send ahead of decoding before its stream stops being read (flow control).
 MAX_BUFFERED_FRAMES = 4096
-_EMPTY_FINAL = object()
 # After its final chunk, how long a stream waits for the client to half-close.
 HALF_CLOSE_WAIT_S = 5.0
+
+
+class StreamsExhausted(Exception):
+    """Every stream slot of this replica is taken."""
 
 
 def settings_from_header(header: codec_pb2.SessionHeader, config: SnacServerConfig) -> SessionSettings:
     """Apply server defaults to a client header; raises InvalidFrames on bad values."""
     if header.policy == codec_pb2.POLICY_UNSPECIFIED:
-        policy = Policy(config.policy)
+        policy = config.policy
     elif header.policy in _POLICIES:
         policy = _POLICIES[header.policy]
     else:
         raise InvalidFrames(f"unknown policy {header.policy}")
-    chunk = header.chunk_frames or config.chunk_frames
-    if chunk > config.chunk_frames:
-        raise InvalidFrames(f"chunk_frames {chunk} exceeds this server's limit {config.chunk_frames}")
     if header.sample_format not in codec_pb2.SampleFormat.values():
         raise InvalidFrames(f"unknown sample_format {header.sample_format}")
-    return SessionSettings(header.seed, policy, chunk, header.first_frame, header.emit_from_frame)
+    return SessionSettings(header.seed, policy, header.first_frame, header.emit_from_sample)
 
 
 def encode_pcm(pcm: np.ndarray, sample_format: int) -> bytes:
@@ -62,14 +60,14 @@ def encode_pcm(pcm: np.ndarray, sample_format: int) -> bytes:
 
 
 class _Stream:
-    """State shared by one stream's reader task and its writer (the handler)."""
+    """What one stream's reader task and its handler share."""
 
-    def __init__(self, session: DecodeSession, sample_format: int) -> None:
+    def __init__(self, session: StreamingSession | ReferenceSession, sample_format: int) -> None:
         self.session = session
         self.sample_format = sample_format
-        self.outbox: asyncio.Queue = asyncio.Queue()  # (row, future, planned_at) | exception | _EMPTY_FINAL
-        self.progress = asyncio.Event()
-        self.final_queued = False
+        self.changed = asyncio.Event()  # new frames, the end, or a reader error
+        self.read = asyncio.Event()  # the handler took frames: a reader held by flow control may go on
+        self.error: Exception | None = None
 
 
 async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
@@ -87,13 +85,13 @@ async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
 
 
 class CodecService(codec_pb2_grpc.SnacCodecServicer):
-    """Implements megapod.codec.v1.SnacCodec over a shared MicroBatcher."""
+    """Implements megapod.codec.v2.SnacCodec over a shared MicroBatcher."""
 
-    def __init__(self, config: SnacServerConfig, batcher: MicroBatcher, metrics: SnacMetrics) -> None:
+    def __init__(self, config: SnacServerConfig, batcher: MicroBatcher, metrics: SnacMetrics, delay: int) -> None:
         self._config = config
         self._batcher = batcher
         self._metrics = metrics
-        self._schedule = AdaptiveSchedule()
+        self._delay = delay
         self.active = 0
 
     async def Decode(
@@ -125,34 +123,48 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             stream = await self._open(requests)
         except InvalidFrames as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StreamsExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         reader = asyncio.create_task(self._read(requests, stream))
         try:
-            while True:
-                item = await stream.outbox.get()
-                if isinstance(item, InvalidFrames):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
-                if item is _EMPTY_FINAL:
-                    yield codec_pb2.PcmChunk(first_frame=stream.session.received, num_frames=0, final=True)
-                    await self._check_after_end(reader, stream, context)
-                    return
-                row, future, planned_at = item
-                try:
-                    pcm = await future
-                except Exception as exc:
-                    log.error("decode of stream chunk failed: %s", exc)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {exc}")
-                yield self._chunk(row, pcm, stream.sample_format)
-                self._metrics.chunk_latency.observe(time.perf_counter() - planned_at)
-                stream.session.on_delivered(row)
-                self._plan(stream)
-                if row.final:
+            async for emission in self._decode(stream, context):
+                yield codec_pb2.PcmChunk(first_sample=emission.first_sample, final=emission.final,
+                                         pcm=encode_pcm(emission.pcm, stream.sample_format))
+                self._metrics.frames_emitted.inc(len(emission.pcm) / FRAME_SAMPLES)
+                if emission.final:
                     await self._check_after_end(reader, stream, context)
                     return
         finally:
             reader.cancel()
-            self._drop(stream)
+            if isinstance(stream.session, StreamingSession):
+                self._batcher.release_slot(stream.session.slot)
+
+    async def _decode(self, stream: _Stream, context: grpc.aio.ServicerContext) -> AsyncIterator[Emission]:
+        """Decode row after row as frames arrive; yield what each makes final, the final emission last."""
+        session = stream.session
+        while True:
+            if stream.error is not None:
+                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(stream.error, InvalidFrames) else grpc.StatusCode.INTERNAL
+                await context.abort(code, str(stream.error))
+            row = session.next_row()
+            if row is None:
+                if session.drained:  # nothing more to decode: close with an empty final chunk
+                    yield Emission(session.emitted, np.zeros(0, np.float32), final=True)
+                    return
+                stream.changed.clear()
+                await stream.changed.wait()
+                continue
+            stream.read.set()
+            submitted = time.perf_counter()
+            try:
+                pcm = await self._batcher.submit(row)
+            except Exception as exc:
+                log.error("decode of a stream's row failed: %s", exc)
+                await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {exc}")
+            self._metrics.chunk_latency.observe(time.perf_counter() - submitted)
+            emission = session.take(row, pcm)
+            if emission is not None:
+                yield emission
 
     @staticmethod
     async def _check_after_end(reader: asyncio.Task, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
@@ -164,29 +176,34 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             await asyncio.wait_for(asyncio.shield(reader), HALF_CLOSE_WAIT_S)
         except TimeoutError:
             return
-        while not stream.outbox.empty():
-            item = stream.outbox.get_nowait()
-            if isinstance(item, InvalidFrames):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+        if isinstance(stream.error, InvalidFrames):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(stream.error))
 
     async def _open(self, requests) -> _Stream:
-        """Read the session header, which must come first."""
+        """Read the session header, which must come first; a streaming session takes a state slot."""
         first = await _next_request(requests)
         if first is None:
             raise InvalidFrames("stream closed before its session header")
         if first.WhichOneof("kind") != "header":
             raise InvalidFrames(f"first message must be a session header, got {first.WhichOneof('kind')}")
         settings = settings_from_header(first.header, self._config)
-        session = DecodeSession(
-            settings, self._config.window_buckets, self._config.max_inflight_chunks, self._schedule
-        )
+        if settings.policy == "reference":
+            return _Stream(ReferenceSession(settings), first.header.sample_format)
+        slot = self._batcher.slots.acquire()
+        if slot is None:
+            raise StreamsExhausted(f"all {self._batcher.slots.size} decoder state slots are taken")
+        try:
+            session = StreamingSession(settings, slot, self._config.frame_buckets, self._delay)
+        except InvalidFrames:
+            self._batcher.release_slot(slot)
+            raise
         return _Stream(session, first.header.sample_format)
 
     async def _read(self, requests, stream: _Stream) -> None:
-        """Feed frames and end-of-stream into the session; report bad input to the writer.
+        """Feed frames and end-of-stream into the session; report bad input to the handler.
 
-        Whatever ends this task early goes to the outbox: the writer waits on nothing else,
-        so a reader that died silently would leave the stream open until the client's deadline.
+        Whatever ends this task early is handed over: the handler waits on nothing else, so a reader
+        that died silently would leave the stream open until the client's deadline.
         """
         try:
             while (request := await _next_request(requests)) is not None:
@@ -199,47 +216,19 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                     raise InvalidFrames("session header sent twice")
                 else:
                     raise InvalidFrames("empty request")
-                self._plan(stream)
+                stream.changed.set()
                 await self._wait_for_room(stream)
             if not stream.session.ended:
                 raise InvalidFrames("stream closed without end_of_stream")
-        except Exception as exc:  # handed to the writer, which ends the stream with its status
+        except Exception as exc:  # handed to the handler, which ends the stream with its status
             if not isinstance(exc, InvalidFrames):
                 log.exception("reading a Decode stream failed")
-            stream.outbox.put_nowait(exc)
+            stream.error = exc
+            stream.changed.set()
 
-    async def _wait_for_room(self, stream: _Stream) -> None:
+    @staticmethod
+    async def _wait_for_room(stream: _Stream) -> None:
         """Stop reading while too many frames wait for decoding (gRPC flow control pushes back)."""
-        session = stream.session
-        while session.received - session.planned > MAX_BUFFERED_FRAMES:
-            stream.progress.clear()
-            await stream.progress.wait()
-
-    def _plan(self, stream: _Stream) -> None:
-        """Submit every row the session can decode now, in order; queue the empty final if due."""
-        session = stream.session
-        now = time.perf_counter()
-        for row in session.plan(now):
-            stream.final_queued |= row.final
-            stream.outbox.put_nowait((row, self._batcher.submit(row), now))
-        if session.ended and session.planned >= session.received and not stream.final_queued:
-            stream.final_queued = True
-            stream.outbox.put_nowait(_EMPTY_FINAL)
-        stream.progress.set()
-
-    @staticmethod
-    def _chunk(row: DecodeRow, pcm: np.ndarray, sample_format: int) -> codec_pb2.PcmChunk:
-        return codec_pb2.PcmChunk(
-            first_frame=row.first_frame,
-            num_frames=row.keep_end - row.keep_start,
-            pcm=encode_pcm(pcm, sample_format),
-            final=row.final,
-        )
-
-    @staticmethod
-    def _drop(stream: _Stream) -> None:
-        """Cancel rows still queued or decoding, so the batcher skips a departed stream's work."""
-        while not stream.outbox.empty():
-            item = stream.outbox.get_nowait()
-            if isinstance(item, tuple):
-                item[1].cancel()
+        while stream.session.backlog > MAX_BUFFERED_FRAMES:
+            stream.read.clear()
+            await stream.read.wait()

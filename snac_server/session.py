@@ -1,22 +1,29 @@
-"""One stream's decode session: the frames it has, the chunks it has planned, its audio lead.
+"""One stream's decode session: the frames it received, the decoder rows they make, the audio they free.
 
-Pure bookkeeping, no I/O and no model: the gRPC service feeds it frames and deliveries,
-and it answers with DecodeRows for the batcher. Frame indices are absolute in the stream.
+Pure bookkeeping, no I/O and no model: the gRPC service feeds a session frames, asks it for the next
+row to decode (one at a time: a streaming row needs the state its predecessor left), and hands each
+row's PCM back to learn which samples to send. Frame and sample indices are absolute in the stream.
+
+- StreamingSession: every frame goes through the streaming decoder once. A row carries the frames
+  that arrived since the last one (the largest frame bucket that fits), and every sample whose right
+  context has arrived goes out at once. After the end, flush frames push the tail out.
+- ReferenceSession: the common streaming decoder, kept for comparison: one 4-frame window per
+  emitted frame (1 frame before it, 2 after), decoded from scratch.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
 
-from .chunking import AdaptiveSchedule, Chunk, Policy, StreamState, next_chunk
-from .frames import CODES_PER_FRAME, FRAME_SECONDS, InvalidFrames, validate_frames
+from codec_contract.audio import FRAME_SAMPLES, REFERENCE_WINDOW
 
-# Largest resume index a header may name (2**48 frames: ~760,000 years of audio). The wire type
-# is uint64, but a row's absolute frame index reaches the model as int64: past 2**63 the whole
-# decode batch, other streams' rows included, would fail.
+from .frames import CODES_PER_FRAME, InvalidFrames, validate_frames
+from .streaming import OPEN_END, flush_frames
+
+# Largest resume index a header may name (2**48 frames: ~760,000 years of audio). The wire type is
+# uint64, but a row's absolute position reaches the model as int64: past that, a shared step fails.
 MAX_FRAME_INDEX = 2**48
 
 
@@ -25,67 +32,69 @@ class SessionSettings:
     """What a client chose in its session header, after defaults and validation."""
 
     seed: int
-    policy: Policy
-    chunk_frames: int
+    policy: str  # "streaming" | "reference"
     first_frame: int = 0
-    emit_from_frame: int = 0
+    emit_from_sample: int = 0
 
 
-@dataclass
-class DecodeRow:
-    """One row of a decode batch: real frames, where they sit in the stream, what to keep.
+@dataclass(frozen=True)
+class StreamStep:
+    """A streaming-decoder row: frames [frame0, frame0 + len(codes)) of the stream held in `slot`."""
 
-    `pad_ok` is False when the window ends at the stream's true end: padding there would
-    change the last frames, so such a row is decoded at its exact length.
-    """
+    slot: int
+    codes: np.ndarray  # (F, 7) int32; zeros for flush frames past the end
+    frame0: int
+    end: int  # the stream's length in frames, OPEN_END while it is unknown
+    seed: int
+    fresh: bool  # the stream's first step: its slot starts from zero
 
-    frames: np.ndarray  # (n, 7) int32
+
+@dataclass(frozen=True)
+class Window:
+    """A reference row: frames [frame0, frame0 + len(frames)) decoded from scratch."""
+
+    frames: np.ndarray  # (W, 7) int32
     frame0: int
     seed: int
-    keep_start: int  # relative frame range of the window whose audio is returned
-    keep_end: int
-    pad_ok: bool
-    first_frame: int  # absolute index of the first emitted frame
-    final: bool  # last chunk of the stream
 
 
-class DecodeSession:
-    """Frames in, DecodeRows out, for one stream; at most `max_inflight` rows outstanding."""
+Row = StreamStep | Window
 
-    def __init__(
-        self,
-        settings: SessionSettings,
-        window_buckets: tuple[int, ...],
-        max_inflight: int,
-        schedule: AdaptiveSchedule,
-    ) -> None:
-        for name in ("first_frame", "emit_from_frame"):
-            if getattr(settings, name) > MAX_FRAME_INDEX:
-                raise InvalidFrames(f"{name} {getattr(settings, name)} exceeds {MAX_FRAME_INDEX}")
-        if settings.emit_from_frame < settings.first_frame:
+
+@dataclass(frozen=True)
+class Emission:
+    """Samples [first_sample, first_sample + len(pcm)) for the client; `final` on the stream's last."""
+
+    first_sample: int
+    pcm: np.ndarray  # float32
+    final: bool
+
+
+class _Session:
+    """Frames in (validated), end of stream, and the samples already sent."""
+
+    def __init__(self, settings: SessionSettings) -> None:
+        if settings.first_frame > MAX_FRAME_INDEX or settings.emit_from_sample > MAX_FRAME_INDEX * FRAME_SAMPLES:
+            raise InvalidFrames(f"first_frame and emit_from_sample are limited to frame {MAX_FRAME_INDEX}")
+        if settings.emit_from_sample < settings.first_frame * FRAME_SAMPLES:
             raise InvalidFrames(
-                f"emit_from_frame {settings.emit_from_frame} is before first_frame {settings.first_frame}"
+                f"emit_from_sample {settings.emit_from_sample} is before first_frame {settings.first_frame}"
             )
         self.settings = settings
-        self._buckets = tuple(sorted(window_buckets))
-        self._max_inflight = max_inflight
-        self._schedule = schedule
-        self._history = np.zeros((0, CODES_PER_FRAME), dtype=np.int32)
-        self._history_start = settings.first_frame
+        self._frames = np.zeros((0, CODES_PER_FRAME), dtype=np.int32)  # frames [_frames_start, received)
+        self._frames_start = settings.first_frame
         self.received = settings.first_frame
-        self.planned = settings.emit_from_frame
-        self.delivered = settings.emit_from_frame
+        self.emitted = settings.emit_from_sample  # the next sample the client needs
         self.ended = False
-        self.inflight = 0
-        self._play_start: float | None = None  # when audio would start playing
+        self.in_flight = False
+        self.final_sent = False
 
-    # -- input -------------------------------------------------------------------------
     def add_frames(self, frames: list[list[int]]) -> None:
         """Append validated frames; raises InvalidFrames for bad codes or frames after the end."""
         if self.ended:
             raise InvalidFrames("frames after end of stream")
         codes = validate_frames(frames)
-        self._history = np.concatenate([self._history, codes])
+        self._frames = np.concatenate([self._frames, codes])
         self.received += len(codes)
 
     def end(self) -> None:
@@ -94,83 +103,108 @@ class DecodeSession:
             raise InvalidFrames("end of stream sent twice")
         self.ended = True
 
-    # -- planning ----------------------------------------------------------------------
-    def lead_s(self, now: float) -> float:
-        """Audio planned ahead of a listener who started playing at the first chunk."""
-        if self._play_start is None:
-            return 0.0
-        lead = (self.planned - self.settings.emit_from_frame) * FRAME_SECONDS - (now - self._play_start)
-        if lead < 0:  # the listener ran dry and waited: playback resumes from here
-            self._play_start -= lead
-            lead = 0.0
-        return lead
-
-    def plan(self, now: float) -> list[DecodeRow]:
-        """Rows ready to decode now, in stream order, up to the in-flight limit."""
-        rows: list[DecodeRow] = []
-        while self.inflight < self._max_inflight:
-            state = StreamState(self.planned, self.received, self.ended, self.lead_s(now))
-            chunk = next_chunk(self.settings.policy, state, self.settings.chunk_frames, self._schedule)
-            if chunk is None:
-                break
-            if self._play_start is None:
-                self._play_start = now
-            rows.append(self._row(chunk))
-            self.planned = chunk.emit_end
-            self.inflight += 1
-        self._trim_history()
-        return rows
-
-    def on_delivered(self, row: DecodeRow) -> None:
-        """A row's audio went out to the client."""
-        self.inflight -= 1
-        self.delivered = row.first_frame + row.keep_end - row.keep_start
+    @property
+    def backlog(self) -> int:
+        """Frames received and not yet decoded (flow control stops reading above a limit)."""
+        raise NotImplementedError
 
     @property
-    def finished(self) -> bool:
-        """Every frame delivered after end of stream."""
-        return self.ended and self.delivered >= self.received and self.inflight == 0
+    def drained(self) -> bool:
+        """Ended, nothing in flight, and every sample of the stream already sent (or never owed)."""
+        return self.ended and not self.in_flight and self.emitted >= self.received * FRAME_SAMPLES
 
-    def _row(self, chunk: Chunk) -> DecodeRow:
-        start, end = self._fit_window(chunk)
-        at_true_end = self.ended and end == self.received
-        frames = self._history[start - self._history_start : end - self._history_start]
-        final = self.ended and chunk.emit_end == self.received
-        return DecodeRow(
-            frames=frames,
-            frame0=start,
-            seed=self.settings.seed,
-            keep_start=chunk.emit_start - start,
-            keep_end=chunk.emit_end - start,
-            pad_ok=not at_true_end,
-            first_frame=chunk.emit_start,
-            final=final,
-        )
+    def _emit(self, start: int, pcm: np.ndarray) -> Emission | None:
+        """The part of samples [start, start + len(pcm)) the client still needs, and whether it is the last."""
+        limit = self.received * FRAME_SAMPLES if self.ended else start + len(pcm)
+        lo, hi = max(self.emitted, start), min(start + len(pcm), limit)
+        self.emitted = max(self.emitted, hi)
+        final = self.ended and self.emitted >= limit
+        if hi <= lo and not final:
+            return None
+        self.final_sent = final
+        return Emission(lo, pcm[max(0, lo - start) : max(0, hi - start)], final)
 
-    def _fit_window(self, chunk: Chunk) -> tuple[int, int]:
-        """Grow the window to a bucket length with more real frames, left first.
 
-        More real context never changes the kept audio, while padding may; growing the
-        window lets rows share a fixed bucket shape (and its CUDA Graph).
-        """
-        start = max(chunk.window_start, self._history_start)
-        end = chunk.window_end
-        i = bisect.bisect_left(self._buckets, end - start)
-        if i == len(self._buckets):
-            return start, end
-        width = self._buckets[i]
-        start = max(self._history_start, end - width)
-        end = min(self.received, start + width)
-        return start, end
+class StreamingSession(_Session):
+    """A stream through the streaming decoder, its state in `slot`."""
 
-    def _trim_history(self) -> None:
-        """Drop frames no future window can reach, so long streams use bounded memory.
+    def __init__(self, settings: SessionSettings, slot: int, frame_buckets: tuple[int, ...], delay: int) -> None:
+        super().__init__(settings)
+        self.slot = slot
+        self._buckets = tuple(sorted(frame_buckets))
+        self._delay = delay
+        self._fed = settings.first_frame
+        self._flush_left = flush_frames(delay)
 
-        Never past `received`: a resume whose emit_from_frame lies far beyond the frames sent
-        so far would otherwise drop frames not yet in the history and misalign later ones.
-        """
-        keep_from = min(self.planned, self.received) - max(self._buckets, default=0) - 1
-        drop = keep_from - self._history_start
+    @property
+    def backlog(self) -> int:
+        return len(self._frames)  # received, not yet fed
+
+    def next_row(self) -> StreamStep | None:
+        """Every frame that arrived since the last row (the largest bucket that fits), or None."""
+        if self.in_flight or self.final_sent or self.drained:
+            return None
+        waiting = len(self._frames)
+        available = waiting + (self._flush_left if self.ended else 0)
+        if available == 0:
+            return None
+        n = max(b for b in self._buckets if b <= available)
+        real = min(n, waiting)
+        codes = np.zeros((n, CODES_PER_FRAME), dtype=np.int32)
+        codes[:real] = self._frames[:real]
+        row = StreamStep(self.slot, codes, self._fed, self.received if self.ended else OPEN_END,
+                         self.settings.seed, fresh=self._fed == self.settings.first_frame)
+        self._frames = self._frames[real:]
+        self._frames_start += real
+        self._flush_left -= n - real
+        self._fed += n
+        self.in_flight = True
+        return row
+
+    def take(self, row: StreamStep, pcm: np.ndarray) -> Emission | None:
+        """The row's samples the client still needs (the decoder returns them `delay` samples late)."""
+        self.in_flight = False
+        return self._emit(row.frame0 * FRAME_SAMPLES - self._delay, pcm)
+
+
+class ReferenceSession(_Session):
+    """A stream through the reference decoder: frame j from the window [j - 1, j + 3), clamped inside."""
+
+    def __init__(self, settings: SessionSettings) -> None:
+        if settings.emit_from_sample % FRAME_SAMPLES:
+            raise InvalidFrames("the reference policy sends whole frames: emit_from_sample must be a multiple of 2048")
+        super().__init__(settings)
+        self._next = settings.emit_from_sample // FRAME_SAMPLES  # the next frame to emit
+
+    @property
+    def backlog(self) -> int:
+        return self.received - self._next
+
+    def next_row(self) -> Window | None:
+        """The window of the next frame, once its right context (or the end) arrived."""
+        j = self._next
+        needed = max(j + 3, REFERENCE_WINDOW)  # frame 0 has no left neighbour: its window is [0, 4)
+        if self.in_flight or j >= self.received or (not self.ended and self.received < needed):
+            return None
+        bound = self.received if self.ended else needed
+        start = max(self._frames_start, min(j - 1, bound - REFERENCE_WINDOW))
+        stop = min(start + REFERENCE_WINDOW, bound)
+        frames = self._frames[start - self._frames_start : stop - self._frames_start]
+        self._next += 1
+        self.in_flight = True
+        self._trim(start)
+        return Window(frames, start, self.settings.seed)
+
+    def take(self, row: Window, pcm: np.ndarray) -> Emission | None:
+        """The window's frame being emitted (the one after the last emitted)."""
+        self.in_flight = False
+        j = self._next - 1
+        keep = (j - row.frame0) * FRAME_SAMPLES
+        return self._emit(j * FRAME_SAMPLES, pcm[keep : keep + FRAME_SAMPLES])
+
+    def _trim(self, start: int) -> None:
+        """Drop frames no later window can reach, so long streams use bounded memory."""
+        drop = start - self._frames_start
         if drop > 256:
-            self._history = self._history[drop:]
-            self._history_start = keep_from
+            self._frames = self._frames[drop:]
+            self._frames_start = start

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest_asyncio
 
-from snac_server.api import codec_pb2_grpc
-from snac_server.client import channel
+from codec_contract.api import codec_pb2_grpc
+from codec_contract.client import channel
 from snac_server.config import SnacServerConfig
 from snac_server.server import build_server
 

@@ -11,7 +11,7 @@ from conftest import random_frames, server_config
 from llm_server.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.runtime import codec_client_config
-from snac_server.api import codec_pb2
+from codec_contract.api import codec_pb2
 from snac_server.server import build_server
 
 
@@ -86,12 +86,12 @@ async def test_streams_spread_over_both_replicas(replicas):
 
 async def test_killing_the_serving_replica_loses_no_audio(replicas):
     frames = random_frames(30, seed=42)
-    client = _client(replicas, policy=codec_pb2.POLICY_EXACT, chunk_frames=4)
+    client = _client(replicas)
     undisturbed, _, _ = await _run(client, frames, seed=5)
     killed = []
 
     async def kill_after_first_chunks(chunk):
-        if chunk.first_frame >= 8 and not killed:
+        if chunk.first_sample >= 8 * 2048 and not killed:
             victim = next(s for s in replicas if s.service.active)
             killed.append(victim)
             await victim.grpc_server.stop(0)  # in-flight streams die with it
@@ -99,7 +99,7 @@ async def test_killing_the_serving_replica_loses_no_audio(replicas):
     audio, chunks, stream = await _run(client, frames, seed=5, interval=0.03, on_chunk=kill_after_first_chunks)
     await client.close()
     assert killed and stream.failovers >= 1
-    assert [c.first_frame for c in chunks] == list(np.cumsum([0] + [c.num_frames for c in chunks[:-1]]))
+    assert [c.first_sample for c in chunks] == list(np.cumsum([0] + [c.num_samples for c in chunks[:-1]]))
     assert audio.shape == undisturbed.shape == (30 * 2048,)
     assert np.abs(audio - undisturbed).max() <= 1e-4
     # Bring the victim back on its port for later tests.

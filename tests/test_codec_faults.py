@@ -16,12 +16,13 @@ from conftest import random_frames
 from processes import hang, scrape, snac_process, unhang, wait_metric_zero, wait_snac_serving
 
 from llm_server.codec_client import CodecClient, CodecClientConfig
-from snac_server.api import codec_pb2
+from codec_contract.api import codec_pb2
 
 # Long enough that a healthy replica on a busy 2-core CI machine (about 1 s per chunk with
 # four streams) never trips it; far shorter than keepalive's 10 s + 5 s.
 STALL_S = 4.0
-CHUNK = 4  # exact policy: a replica owes a chunk once CHUNK + 3 frames past the audio are in
+# The streaming decoder owes no audio until 3 frames are in (the first 4,757 samples wait for context).
+IDLE_FRAMES = 2
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def replicas(tmp_path_factory):
 
 def _client(replicas, **kw) -> CodecClient:
     config = CodecClientConfig(
-        addresses=",".join(f"127.0.0.1:{p.port}" for p in replicas), policy=codec_pb2.POLICY_EXACT,
-        chunk_frames=CHUNK, sample_format=codec_pb2.SAMPLE_FORMAT_F32LE, stall_timeout_s=STALL_S, **kw,
+        addresses=",".join(f"127.0.0.1:{p.port}" for p in replicas),
+        sample_format=codec_pb2.SAMPLE_FORMAT_F32LE, stall_timeout_s=STALL_S, **kw,
     )
     return CodecClient(config)
 
@@ -69,14 +70,15 @@ async def _run(client: CodecClient, frames: np.ndarray, seed: int, produce=None,
 
 
 def _assert_whole(chunks, n_frames: int) -> None:
-    """Every frame exactly once, in order: each chunk starts where the previous one ended."""
-    starts = [c.first_frame for c in chunks]
-    assert starts == list(np.cumsum([0] + [c.num_frames for c in chunks[:-1]]))
-    assert sum(c.num_frames for c in chunks) == n_frames and chunks[-1].final
+    """Every sample exactly once, in order: each chunk starts where the previous one ended."""
+    starts = [c.first_sample for c in chunks]
+    assert starts == list(np.cumsum([0] + [c.num_samples for c in chunks[:-1]]))
+    assert sum(c.num_samples for c in chunks) == n_frames * 2048 and chunks[-1].final
 
 
 async def test_an_idle_stream_is_not_failed_over(replicas):
-    """Too few frames for a chunk, then nothing for longer than the stall timeout: no audio is owed yet."""
+    """Too few frames for any sample to be final, then nothing for longer than the stall timeout: no
+    audio is owed yet."""
     frames = random_frames(20, seed=7)
     client = _client(replicas)
     try:
@@ -84,10 +86,10 @@ async def test_an_idle_stream_is_not_failed_over(replicas):
         resumed_at = []
 
         async def idle_then_finish(stream):
-            await stream.send(frames[: CHUNK + 2])  # one short of a chunk with its right context
+            await stream.send(frames[:IDLE_FRAMES])  # the first sample's right context is not in yet
             await asyncio.sleep(2 * STALL_S)
             resumed_at.append(time.monotonic())
-            for i in range(CHUNK + 2, len(frames), 2):
+            for i in range(IDLE_FRAMES, len(frames), 2):
                 await stream.send(frames[i : i + 2])
             await stream.end()
 
@@ -109,7 +111,7 @@ async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
     hung = []
 
     async def hang_the_serving_replica(chunk):
-        if chunk.first_frame >= 8 and not hung:
+        if chunk.first_sample >= 8 * 2048 and not hung:
             active = [await asyncio.to_thread(scrape, p.metrics_port, "snac_active_streams") for p in replicas]
             assert sorted(active) == [0, 1], active  # exactly one replica has this stream
             hung.append(replicas[active.index(1)])

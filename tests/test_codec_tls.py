@@ -20,9 +20,10 @@ from conftest import random_frames, server_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llm_server.codec_client import CodecClient, CodecClientConfig
-from snac_server.api import codec_pb2
-from snac_server.client import channel
-from snac_server.server import SERVICE_NAME, build_server
+from codec_contract.api import codec_pb2
+from codec_contract.client import channel
+from codec_contract.client import SERVICE
+from snac_server.server import build_server
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -108,7 +109,7 @@ async def tls_server(pki):
 async def _health(ch: grpc.aio.Channel) -> object:
     """The codec service's health over `ch`, or the status code of the failure."""
     try:
-        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return reply.status
@@ -126,7 +127,7 @@ async def _decode(client: CodecClient, frames: np.ndarray, seed: int) -> np.ndar
     await stream.send(frames)
     await stream.end()
     chunks = [c async for c in stream.chunks()]
-    assert sum(c.num_frames for c in chunks) == len(frames) and chunks[-1].final
+    assert sum(c.num_samples for c in chunks) == len(frames) * 2048 and chunks[-1].final
     return np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
 
 

@@ -10,11 +10,11 @@ from snac_server.config import SnacServerConfig, snac_config_from_cli
 def test_every_field_has_a_flag_and_flags_override_env(monkeypatch):
     monkeypatch.setenv("SNAC_MAX_BATCH", "8")
     monkeypatch.setenv("SNAC_DTYPE", "float16")
-    config = snac_config_from_cli(["--max-batch", "64", "--cuda-graphs", "off", "--window-buckets", "4,8,24"])
+    config = snac_config_from_cli(["--max-batch", "64", "--cuda-graphs", "off", "--frame-buckets", "1,4,8"])
     assert config.max_batch == 64  # flag beats env
     assert config.dtype == "float16"  # env beats default
     assert config.cuda_graphs is False
-    assert config.window_buckets == (4, 8, 24)
+    assert config.frame_buckets == (1, 4, 8)
     flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SnacServerConfig)}
     assert {"--port", "--metrics-port", "--model", "--device", "--dtype", "--max-batch", "--max-wait-ms"} <= flags
 
@@ -24,7 +24,7 @@ def test_every_field_has_a_flag_and_flags_override_env(monkeypatch):
     [
         (["--dtype", "float64"], "dtype must be one of"),
         (["--policy", "fastest"], "fastest"),
-        (["--chunk-frames", "40"], "needs a window bucket"),
+        (["--frame-buckets", "2,4"], "must include 1"),
         (["--max-batch", "0"], "max_batch"),
         (["--cuda-graphs", "maybe"], "not a boolean"),
         (["--port", "http"], "invalid literal"),

@@ -43,8 +43,8 @@ from megapod.render import (
     parse_manifests,
 )
 from megapod.topology import MegaPodConfig
-from snac_server.api import codec_pb2
-from snac_server.client import channel_credentials, tls_options
+from codec_contract.api import codec_pb2
+from codec_contract.client import channel_credentials, tls_options
 from snac_server.config import SnacServerConfig, config_from_args
 from snac_server.server import server_credentials
 
@@ -326,11 +326,11 @@ def _without_generated_certs(objects: list[dict]) -> list[dict]:
 
 
 def test_megapod_config_changes_reach_the_pods() -> None:
-    pod = dataclasses.replace(H100.megapod, workers=5, snac_max_batch=64, codec_policy="exact", grace_s=90.0)
+    pod = dataclasses.replace(H100.megapod, workers=5, snac_max_batch=64, codec_policy="reference", grace_s=90.0)
     objects = parse_manifests(HelmRender(dataclasses.replace(H100, megapod=pod)).run(helm()))
     assert llm(objects)["spec"]["replicas"] == 5
     assert env(snac(objects))["SNAC_MAX_BATCH"] == "64"
-    assert env(snac(objects))["SNAC_POLICY"] == env(llm(objects))["ORPHEUS_CODEC_POLICY"] == "exact"
+    assert env(snac(objects))["SNAC_POLICY"] == env(llm(objects))["ORPHEUS_CODEC_POLICY"] == "reference"
     assert llm(objects)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 90
 
 
@@ -360,6 +360,14 @@ def test_pods_run_the_same_servers_as_megapod_up(render: str) -> None:
 
 
 # ---------------------------------------------------------------- topology
+
+
+@pytest.mark.parametrize("render", GPU_RENDERS)
+def test_h100_workers_run_trtllm_decode_attention(render: str) -> None:
+    """The H100 profile asks vLLM for FlashInfer's TRT-LLM kernels (XQA decode on Hopper); the worker
+    parses these variables into the settings llm_server.attention checks."""
+    variables = env(llm(RENDERS[render]()))
+    assert (variables["ORPHEUS_ATTENTION_BACKEND"], variables["ORPHEUS_TRTLLM_ATTENTION"]) == ("FLASHINFER", "on")
 
 
 @pytest.mark.parametrize("render", GPU_RENDERS)

@@ -2,7 +2,7 @@
 
 A property test sends random and adversarial DecodeRequest sequences and checks each RPC
 against an oracle written from the protocol rules (README "The gRPC contract", codec.proto):
-OK with every frame's audio exactly once, in order, where the input is valid; INVALID_ARGUMENT
+OK with every sample's audio exactly once, in order, where the input is valid; INVALID_ARGUMENT
 with a message where it is not; never INTERNAL or UNKNOWN, never a stream left hanging, and
 the server healthy with no stream held afterwards. Raw bytes that are not a DecodeRequest and
 messages over gRPC's size limit get their own cases.
@@ -23,12 +23,13 @@ from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from conftest import random_frames
-from snac_server.api import codec_pb2
-from snac_server.client import END_REQUEST, channel, frames_request, header_request
-from snac_server.frames import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
+from codec_contract.api import codec_pb2
+from codec_contract.client import END_REQUEST, channel, frames_request, header_request
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
 from snac_server.session import MAX_FRAME_INDEX
 
-METHOD = "/megapod.codec.v1.SnacCodec/Decode"
+METHOD = "/megapod.codec.v2.SnacCodec/Decode"
+MAX_SAMPLE = MAX_FRAME_INDEX * FRAME_SAMPLES
 RPC_TIMEOUT_S = 20.0  # a stream still open after this is stuck: the test fails on DEADLINE_EXCEEDED
 U64 = 2**64 - 1
 U32 = 2**32 - 1
@@ -55,21 +56,22 @@ def to_request(message: tuple) -> codec_pb2.DecodeRequest:
 
 @dataclass(frozen=True)
 class Valid:
-    """A valid stream: the audio of frames [emit_from, total) must arrive, in this sample width."""
+    """A valid stream: samples [emit_from, total) must arrive, in this sample width."""
 
     emit_from: int
     total: int
     sample_bytes: int
 
 
-def header_ok(h: dict, chunk_limit: int) -> bool:
-    """Known policy and sample format, a chunk within the server's limit, a sane resume point."""
-    first, emit = h.get("first_frame", 0), h.get("emit_from_frame", 0)
+def header_ok(h: dict) -> bool:
+    """Known policy and sample format, a sane resume point (whole frames for the reference policy)."""
+    first, emit = h.get("first_frame", 0), h.get("emit_from_sample", 0)
     return (
-        h.get("policy", 0) in (0, 1, 2, 3)
+        h.get("policy", 0) in (0, 1, 2)
         and h.get("sample_format", 0) in (0, 1, 2)
-        and h.get("chunk_frames", 0) <= chunk_limit
-        and first <= emit <= MAX_FRAME_INDEX
+        and first <= MAX_FRAME_INDEX
+        and first * FRAME_SAMPLES <= emit <= MAX_SAMPLE
+        and (h.get("policy", 0) != codec_pb2.POLICY_REFERENCE or emit % FRAME_SAMPLES == 0)
     )
 
 
@@ -77,13 +79,13 @@ def frame_ok(codes: list[int]) -> bool:
     return len(codes) == CODES_PER_FRAME and all(0 <= c < CODEBOOK_SIZE for c in codes)
 
 
-def expected_outcome(messages: list[tuple], chunk_limit: int) -> Valid | None:
+def expected_outcome(messages: list[tuple]) -> Valid | None:
     """Valid(...) if the stream obeys the contract, None if it must end with INVALID_ARGUMENT.
 
     Header first and only once; frames of 7 codes in 0..4095, none after the end; exactly one
     end, then the client half-closes.
     """
-    if not messages or messages[0][0] != "header" or not header_ok(messages[0][1], chunk_limit):
+    if not messages or messages[0][0] != "header" or not header_ok(messages[0][1]):
         return None
     header = messages[0][1]
     received, ended = 0, False
@@ -98,15 +100,15 @@ def expected_outcome(messages: list[tuple], chunk_limit: int) -> Valid | None:
         return None
     first = header.get("first_frame", 0)
     sample_bytes = 2 if header.get("sample_format", 0) == codec_pb2.SAMPLE_FORMAT_S16LE else 4
-    return Valid(header.get("emit_from_frame", 0), first + received, sample_bytes)
+    return Valid(header.get("emit_from_sample", 0), (first + received) * FRAME_SAMPLES, sample_bytes)
 
 
 def test_oracle_on_the_documented_cases():
     """The oracle itself, on the contract's examples (a wrong oracle makes the property vacuous)."""
     good = ("frames", [[0] * 7, [4095] * 7])
-    assert expected_outcome([("header", {}), good, ("end",)], 16) == Valid(0, 2, 4)
-    resumed = {"first_frame": 7, "emit_from_frame": 10, "sample_format": 2}
-    assert expected_outcome([("header", resumed), good, ("end",)], 16) == Valid(10, 9, 2)
+    assert expected_outcome([("header", {}), good, ("end",)]) == Valid(0, 2 * FRAME_SAMPLES, 4)
+    resumed = {"first_frame": 7, "emit_from_sample": 10 * FRAME_SAMPLES + 3, "sample_format": 2}
+    assert expected_outcome([("header", resumed), good, ("end",)]) == Valid(10 * FRAME_SAMPLES + 3, 9 * FRAME_SAMPLES, 2)
     for bad in (
         [],
         [good, ("end",)],
@@ -117,12 +119,12 @@ def test_oracle_on_the_documented_cases():
         [("header", {}), ("empty",), ("end",)],
         [("header", {}), ("frames", [[4096] * 7]), ("end",)],
         [("header", {}), ("frames", [[1] * 6]), ("end",)],
-        [("header", {"chunk_frames": 17}), ("end",)],
-        [("header", {"policy": 4}), ("end",)],
-        [("header", {"first_frame": 3, "emit_from_frame": 2}), ("end",)],
-        [("header", {"first_frame": MAX_FRAME_INDEX + 1, "emit_from_frame": MAX_FRAME_INDEX + 1}), ("end",)],
+        [("header", {"policy": 3}), ("end",)],
+        [("header", {"first_frame": 3, "emit_from_sample": 2 * FRAME_SAMPLES}), ("end",)],
+        [("header", {"policy": 1, "emit_from_sample": 5}), ("end",)],
+        [("header", {"first_frame": MAX_FRAME_INDEX + 1, "emit_from_sample": MAX_SAMPLE + FRAME_SAMPLES}), ("end",)],
     ):
-        assert expected_outcome(bad, 16) is None, bad
+        assert expected_outcome(bad) is None, bad
 
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -139,19 +141,17 @@ def good_header(draw) -> tuple:
     first = draw(st.integers(0, 20) | st.just(MAX_FRAME_INDEX - 4))
     fields = dict(
         seed=draw(st.integers(0, U64)),
-        policy=draw(st.sampled_from([0, 1, 2, 3])),
-        chunk_frames=draw(st.integers(0, 16)),
+        policy=draw(st.sampled_from([0, 1, 2])),
         sample_format=draw(st.sampled_from([0, 1, 2])),
         first_frame=first,
-        emit_from_frame=first + draw(st.integers(0, 4)),
+        emit_from_sample=(first + draw(st.integers(0, 4))) * FRAME_SAMPLES,
         stream_id=draw(st.text(max_size=8)),
     )
     return ("header", fields)
 
 
 HOSTILE_FIELDS = {
-    "policy": st.sampled_from([4, 99, -1, 2**31 - 1]) | ENUM_INT,
-    "chunk_frames": st.sampled_from([17, 2**31, U32]) | st.integers(0, U32),
+    "policy": st.sampled_from([3, 99, -1, 2**31 - 1]) | ENUM_INT,
     "sample_format": st.sampled_from([3, -1, 1000]) | ENUM_INT,
     "first_frame": st.sampled_from([MAX_FRAME_INDEX, MAX_FRAME_INDEX + 1, 2**63 - 1, 2**63, U64]) | st.integers(0, U64),
 }
@@ -167,8 +167,9 @@ def any_header(draw) -> tuple:
     fields = dict(draw(good_header())[1])
     for name in draw(st.lists(st.sampled_from(list(HOSTILE_FIELDS)), min_size=1, max_size=2, unique=True)):
         fields[name] = draw(HOSTILE_FIELDS[name])
-    gap = draw(st.sampled_from([0, 1, 3]) | st.integers(-3, 300))  # emit_from_frame relative to first_frame
-    fields["emit_from_frame"] = min(max(fields["first_frame"] + gap, 0), U64)
+    # emit_from_sample relative to first_frame's first sample: mid-frame, whole frames, before it
+    gap = draw(st.sampled_from([0, 1, 3 * FRAME_SAMPLES, 1387]) | st.integers(-3 * FRAME_SAMPLES, 300 * FRAME_SAMPLES))
+    fields["emit_from_sample"] = min(max(fields["first_frame"] * FRAME_SAMPLES + gap, 0), U64)
     return ("header", fields)
 
 
@@ -268,17 +269,16 @@ async def run_stream(ch: grpc.Channel, requests: list) -> tuple:
 
 
 def assert_audio_complete(chunks: list, valid: Valid) -> None:
-    """Every frame in [emit_from, total) exactly once, in order; only the last chunk final."""
+    """Every sample in [emit_from, total) exactly once, in order; only the last chunk final."""
     assert chunks and chunks[-1].final and not any(c.final for c in chunks[:-1])
-    frames = [c for c in chunks if c.num_frames]
-    assert all(c.final for c in chunks if not c.num_frames), "only the final chunk may be empty"
+    assert all(c.final for c in chunks if not c.pcm), "only the final chunk may be empty"
     expected = valid.emit_from
-    for chunk in frames:
-        assert chunk.first_frame == expected
-        assert len(chunk.pcm) == chunk.num_frames * FRAME_SAMPLES * valid.sample_bytes
-        expected += chunk.num_frames
+    for chunk in chunks:
+        if chunk.pcm:
+            assert chunk.first_sample == expected
+            assert len(chunk.pcm) % valid.sample_bytes == 0
+            expected += len(chunk.pcm) // valid.sample_bytes
     assert expected == max(valid.total, valid.emit_from)
-    assert not chunks[-1].num_frames or chunks[-1].pcm, "a final chunk with frames carries their audio"
 
 
 async def assert_healthy_and_idle(snac_server, grpc_channel) -> None:
@@ -294,7 +294,7 @@ async def assert_healthy_and_idle(snac_server, grpc_channel) -> None:
 
 async def check_against_oracle(snac_server, grpc_channel, sync_channel, messages: list[tuple]) -> None:
     note(f"messages: {messages!r}")
-    valid = expected_outcome(messages, snac_server.config.chunk_frames)
+    valid = expected_outcome(messages)
     event("valid stream" if valid else "invalid stream")  # --hypothesis-show-statistics: both are exercised
     code, details, chunks = await run_stream(sync_channel, [to_request(m) for m in messages])
     note(f"got {code} {details!r} after {len(chunks)} chunk(s); oracle says {valid}")
@@ -318,8 +318,8 @@ _FRAMES = ("frames", random_frames(5, seed=0).tolist())
 @given(messages=adversarial_stream())
 # Found by this test (pinned so every run checks them): a resume index past int64 reached the
 # model and failed the decode batch with INTERNAL; MAX_FRAME_INDEX itself must still work.
-@example(messages=[("header", {"first_frame": 2**63, "emit_from_frame": 2**63}), _FRAMES, ("end",)])
-@example(messages=[("header", {"first_frame": MAX_FRAME_INDEX, "emit_from_frame": MAX_FRAME_INDEX}), _FRAMES, ("end",)])
+@example(messages=[("header", {"first_frame": 2**63, "emit_from_sample": U64}), _FRAMES, ("end",)])
+@example(messages=[("header", {"first_frame": MAX_FRAME_INDEX, "emit_from_sample": MAX_SAMPLE}), _FRAMES, ("end",)])
 async def test_adversarial_streams_follow_the_contract(snac_server, grpc_channel, sync_channel, messages):
     """Valid streams with violations mixed in: OK with all audio, or INVALID_ARGUMENT; never stuck."""
     await check_against_oracle(snac_server, grpc_channel, sync_channel, messages)
@@ -339,25 +339,26 @@ async def test_huge_resume_index_is_refused_without_touching_batchmates(sync_cha
     """first_frame >= 2**63 used to reach the model and fail the whole decode batch with INTERNAL,
     the good streams sharing it included."""
     frames = random_frames(12, seed=1)
-    good = asyncio.create_task(run_stream(sync_channel, [header_request(1, "exact", 4), frames_request(frames), END_REQUEST]))
-    bad = header_request(2, "exact", 4, first_frame=2**63, emit_from_frame=2**63)
+    good = asyncio.create_task(run_stream(sync_channel, [header_request(1), frames_request(frames), END_REQUEST]))
+    bad = header_request(2, first_frame=2**63, emit_from_sample=U64)
     code, details, _ = await run_stream(sync_channel, [bad, frames_request(frames), END_REQUEST])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_frame" in details
     code, details, chunks = await good
     assert code == grpc.StatusCode.OK, details
-    assert_audio_complete(chunks, Valid(0, 12, 4))
+    assert_audio_complete(chunks, Valid(0, 12 * FRAME_SAMPLES, 4))
 
 
 async def test_resume_far_ahead_decodes_the_right_frames(sync_channel):
-    """emit_from_frame 300 frames past first_frame, frames one per message: history trimming used
+    """emit_from_sample 300 frames past first_frame, frames one per message: history trimming used
     to drop frames not yet received and shift the rest, so the audio came from the wrong frames."""
     frames = random_frames(310, seed=2)
-    near = [header_request(3, "exact", 4, first_frame=290, emit_from_frame=300), frames_request(frames[290:]), END_REQUEST]
-    far = [header_request(3, "exact", 4, first_frame=0, emit_from_frame=300)]
+    resume_at = 300 * FRAME_SAMPLES
+    near = [header_request(3, first_frame=290, emit_from_sample=resume_at), frames_request(frames[290:]), END_REQUEST]
+    far = [header_request(3, first_frame=0, emit_from_sample=resume_at)]
     far += [frames_request(frames[i : i + 1]) for i in range(310)] + [END_REQUEST]
     (c1, d1, near_chunks), (c2, d2, far_chunks) = [await run_stream(sync_channel, r) for r in (near, far)]
     assert c1 == c2 == grpc.StatusCode.OK, (d1, d2)
-    assert_audio_complete(far_chunks, Valid(300, 310, 4))
+    assert_audio_complete(far_chunks, Valid(resume_at, 310 * FRAME_SAMPLES, 4))
 
     def audio(chunks):
         return np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
@@ -372,7 +373,7 @@ def _raw(message: tuple) -> bytes:
     return to_request(message).SerializeToString()
 
 
-HEADER = _raw(("header", {"policy": 2, "chunk_frames": 4}))
+HEADER = _raw(("header", {"policy": codec_pb2.POLICY_STREAMING}))
 FRAMES = _raw(("frames", random_frames(3, seed=3).tolist()))
 END = _raw(("end",))
 def _varint(value: int) -> bytes:
@@ -393,7 +394,7 @@ def _field(number: int, payload: bytes) -> bytes:
 _CODES = b"".join(b"\x08" + _varint(c) for c in [1] * 6 + [2**64 - 1])
 NEGATIVE_CODE = _field(2, _field(1, _CODES))
 # SessionHeader.stream_id (proto3 string) holding bytes that are not UTF-8.
-NON_UTF8_ID = _field(1, _field(7, b"\xc3\x28"))
+NON_UTF8_ID = _field(1, _field(6, b"\xc3\x28"))
 
 RAW_CASES = {
     "garbage first": [b"\xff\xff\xff"],
@@ -430,7 +431,7 @@ def from_request(request: codec_pb2.DecodeRequest) -> tuple:
     return ("end",) if kind == "end" else ("empty",)
 
 
-def expected_for_bytes(payloads: list[bytes], chunk_limit: int) -> Valid | None:
+def expected_for_bytes(payloads: list[bytes]) -> Valid | None:
     """The oracle on raw messages: bytes protobuf cannot parse are bad input like any other."""
     messages = []
     for payload in payloads:
@@ -438,7 +439,7 @@ def expected_for_bytes(payloads: list[bytes], chunk_limit: int) -> Valid | None:
             messages.append(from_request(codec_pb2.DecodeRequest.FromString(payload)))
         except DecodeError:
             messages.append(("unparseable",))
-    return expected_outcome(messages, chunk_limit)
+    return expected_outcome(messages)
 
 
 @st.composite
@@ -456,7 +457,7 @@ def byte_stream(draw) -> list[bytes]:
 async def test_random_bytes_follow_the_contract(snac_server, grpc_channel, sync_channel, payloads):
     """Raw messages: OK with all audio where every message parses and obeys the contract,
     INVALID_ARGUMENT otherwise; never stuck, never INTERNAL or UNKNOWN."""
-    valid = expected_for_bytes(payloads, snac_server.config.chunk_frames)
+    valid = expected_for_bytes(payloads)
     event("valid stream" if valid else "invalid stream")
     code, details, chunks = await run_stream(sync_channel, payloads)
     note(f"got {code} {details!r} after {len(chunks)} chunk(s); oracle says {valid}")

@@ -217,7 +217,7 @@ def test_admitted_streams_are_the_same_with_and_without_the_flood(runs):
         assert len(flooded.pcm) == len(quiet.pcm) > 0
         a = np.frombuffer(bytes(quiet.pcm), "<i2").astype(np.int32)
         b = np.frombuffer(bytes(flooded.pcm), "<i2").astype(np.int32)
-        # Same seed, same tokens; adaptive chunking may round a sample differently (test_llm_server.py).
+        # Same seed, same tokens; batch shapes may round a sample differently (test_llm_server.py).
         assert int(np.abs(a - b).max()) <= 2
 
 

@@ -19,9 +19,9 @@ def test_committed_stubs_match_the_proto(tmp_path):
 
 
 def test_stubs_import_from_the_package():
-    spec = importlib.util.find_spec("snac_server.api.codec_pb2_grpc")
+    spec = importlib.util.find_spec("codec_contract.api.codec_pb2_grpc")
     assert spec is not None
-    from snac_server.api import codec_pb2, codec_pb2_grpc
+    from codec_contract.api import codec_pb2, codec_pb2_grpc
 
-    assert codec_pb2.DESCRIPTOR.package == "megapod.codec.v1"
+    assert codec_pb2.DESCRIPTOR.package == "megapod.codec.v2"
     assert hasattr(codec_pb2_grpc, "SnacCodecStub")

@@ -1,5 +1,7 @@
-"""DecoderRunner on CPU: splitting a step under max_step_frames changes nothing but the forwards."""
+"""DecoderRunner on CPU: steps split under max_step_frames change nothing but the forwards; the
+decode thread runs on the decoder's GPU; a step that raises fails only its own row."""
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -7,15 +9,16 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import random_frames
+from megapod.sync_detector import host_syncs
 from snac_server.batcher import MicroBatcher
 from snac_server.codec_model import build_decoder
 from snac_server.metrics import SnacMetrics
 from snac_server.runner import CPU_STEP_FRAMES, DecoderRunner
-from snac_server.session import DecodeRow
+from snac_server.session import StreamStep, Window
+from snac_server.streaming import OPEN_END, StreamingDecoder
 
-from conftest import random_frames
-
-BUCKETS = (4, 8, 12, 16, 24)
+BUCKETS = (1, 2, 4, 8, 16)
 
 
 @pytest.fixture(scope="module")
@@ -23,31 +26,91 @@ def decoder():
     return build_decoder("random-24khz", "cpu", "float32", max_batch=8)
 
 
-def rows(n: int, width: int) -> list[DecodeRow]:
-    return [DecodeRow(random_frames(width, seed=i), frame0=10 * i, seed=100 + i, keep_start=3, keep_end=width - 3,
-                      pad_ok=True, first_frame=10 * i + 3, final=False)
-            for i in range(n)]
+@pytest.fixture(scope="module")
+def streaming(decoder):
+    return StreamingDecoder(decoder, num_slots=16)
 
 
-def test_cpu_default_caps_frames_per_forward(decoder):
-    runner = DecoderRunner(decoder, BUCKETS, max_batch=32, cuda_graphs=True)
-    assert runner.max_step_frames == CPU_STEP_FRAMES
-    assert runner.rows_per_forward(24) == CPU_STEP_FRAMES // 24
-    assert runner.rows_per_forward(4) == CPU_STEP_FRAMES // 4
-    assert DecoderRunner(decoder, BUCKETS, max_batch=32, cuda_graphs=True, max_step_frames=8).rows_per_forward(24) == 1
+def runner_of(decoder, streaming, **kw) -> DecoderRunner:
+    kw = {"max_batch": 8, "frame_buckets": BUCKETS, "cuda_graphs": False, **kw}
+    return DecoderRunner(decoder, streaming, **kw)
 
 
-def test_split_step_gives_the_same_audio_and_hands_rows_back_per_forward(decoder):
-    batch = rows(5, 12)
-    whole = DecoderRunner(decoder, BUCKETS, max_batch=8, cuda_graphs=False, max_step_frames=10_000)
-    split = DecoderRunner(decoder, BUCKETS, max_batch=8, cuda_graphs=False, max_step_frames=24)  # 2 rows a forward
+def steps(n: int, frames: int) -> list[StreamStep]:
+    return [StreamStep(i, random_frames(frames, seed=i).astype(np.int32), 10 * i, OPEN_END, 100 + i, True) for i in range(n)]
+
+
+def decode_all(runner: DecoderRunner, rows) -> tuple[list[np.ndarray], list[list[int]]]:
+    out: list = [None] * len(rows)
     calls: list[list[int]] = []
-    expected = whole.decode(batch)
-    got = split.decode(batch, lambda idx, pcms: calls.append(list(idx)))
+
+    def publish(indices, pcms):
+        calls.append(list(indices))
+        for i, pcm in zip(indices, pcms):
+            out[i] = pcm
+
+    runner.decode(rows, publish)
+    return out, calls
+
+
+def test_cpu_default_caps_frames_per_forward(decoder, streaming):
+    runner = runner_of(decoder, streaming, max_batch=32, cuda_graphs=True)
+    assert runner.max_step_frames == CPU_STEP_FRAMES and not runner.use_graphs
+    assert runner.rows_per_forward(16) == CPU_STEP_FRAMES // 16
+    assert runner.rows_per_forward(1) == 32
+    assert runner_of(decoder, streaming, max_step_frames=8).rows_per_forward(16) == 1
+
+
+def test_split_step_gives_the_same_audio_and_hands_rows_back_per_forward(decoder, streaming):
+    rows = steps(5, 4)
+    whole, _ = decode_all(runner_of(decoder, streaming, max_step_frames=10_000), rows)
+    split, calls = decode_all(runner_of(decoder, streaming, max_step_frames=8), rows)  # 2 rows a forward
     assert calls == [[0, 1], [2, 3], [4]]
-    for e, g in zip(expected, got):
-        assert g.shape == (6 * 2048,)
+    for e, g in zip(whole, split):
+        assert g.shape == (4 * 2048,)
         np.testing.assert_allclose(g, e, atol=1e-4)
+
+
+def test_rows_of_each_shape_share_a_forward(decoder, streaming):
+    rows = [*steps(2, 1), Window(random_frames(4, seed=1).astype(np.int32), 0, 3), *steps(1, 2)]
+    out, calls = decode_all(runner_of(decoder, streaming), rows)
+    assert sorted(calls) == [[0, 1], [2], [3]]
+    assert [len(p) for p in out] == [2048, 2048, 4 * 2048, 2 * 2048]
+
+
+def test_the_forward_as_dispatched_never_syncs(decoder, streaming):
+    """The runner's per-forward path between staging and the one read-back (a graph replay on GPU)."""
+    runner = runner_of(decoder, streaming)
+    args = runner._stage("step", steps(3, 2))
+    assert host_syncs(runner._forward, "step", 2, args) == []
+
+
+class FailsOnSeed:
+    """A test double of the streaming decoder that raises on any step holding one stream's seed."""
+
+    def __init__(self, inner: StreamingDecoder, seed: int) -> None:
+        self.inner, self.seed, self.num_slots = inner, seed, inner.num_slots
+
+    def __call__(self, slots, codes, frame0, end, seeds, fresh):
+        if (seeds == self.seed).any():
+            raise RuntimeError("scripted failure of one stream's row")
+        return self.inner(slots, codes, frame0, end, seeds, fresh)
+
+
+async def test_a_step_that_raises_fails_only_the_row_that_caused_it(decoder, streaming):
+    rows = steps(4, 1)
+    expected, _ = decode_all(runner_of(decoder, StreamingDecoder(decoder, num_slots=16)), rows)
+    runner = runner_of(decoder, FailsOnSeed(streaming, seed=102))
+    batcher = MicroBatcher(runner, max_batch=8, max_wait_s=0.2, metrics=SnacMetrics())
+    batcher.start()
+    batcher.wait_ready()
+    try:
+        results = await asyncio.gather(*(batcher.submit(r) for r in rows), return_exceptions=True)
+    finally:
+        batcher.stop()
+    assert isinstance(results[2], RuntimeError)
+    for i in (0, 1, 3):
+        np.testing.assert_allclose(results[i], expected[i], atol=1e-6)
 
 
 def test_the_decode_thread_makes_the_decoders_gpu_its_current_device(monkeypatch):
@@ -55,8 +118,8 @@ def test_the_decode_thread_makes_the_decoders_gpu_its_current_device(monkeypatch
     graph capture and the memory pool all follow the current device."""
     bound: list[tuple[str, torch.device]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append((threading.current_thread().name, torch.device(d))))
-    on_gpu_1 = SimpleNamespace(device=torch.device("cuda", 1))  # test double: a decoder placed on cuda:1
-    runner = DecoderRunner(on_gpu_1, BUCKETS, max_batch=1, cuda_graphs=True)
+    on_gpu_1 = SimpleNamespace(device=torch.device("cuda", 1))  # test doubles: a decoder placed on cuda:1...
+    runner = DecoderRunner(on_gpu_1, SimpleNamespace(num_slots=1), max_batch=1, frame_buckets=BUCKETS, cuda_graphs=True)
     monkeypatch.setattr(runner, "warm_up", lambda: None)
     batcher = MicroBatcher(runner, 1, 0.0, SnacMetrics())
     batcher.start()

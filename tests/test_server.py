@@ -11,49 +11,57 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import random_frames
-from snac_server.api import codec_pb2
-from snac_server.client import END_REQUEST, decode, frames_request, header_request, paced_requests
-from snac_server.frames import FRAME_SAMPLES
+from codec_contract.api import codec_pb2
+from codec_contract.client import END_REQUEST, decode, frames_request, header_request, paced_requests
+from codec_contract.audio import FRAME_SAMPLES
 
 
-async def _decode(stub, frames, seed=1, policy="exact", chunk=4, per_message=1, interval=0.0, **header):
-    return await decode(stub, paced_requests(header_request(seed, policy, chunk, **header), frames, per_message, interval))
+async def _decode(stub, frames, seed=1, policy="streaming", per_message=1, interval=0.0, **header):
+    return await decode(stub, paced_requests(header_request(seed, policy, **header), frames, per_message, interval))
 
 
-def _assert_complete_and_in_order(stream, n_frames: int, first: int = 0) -> None:
-    expected = first
+def _assert_complete_and_in_order(stream, n_frames: int, first_sample: int = 0) -> None:
+    expected = first_sample
     for chunk in stream.chunks:
-        assert chunk.first_frame == expected
-        assert len(chunk.pcm) == chunk.num_frames * FRAME_SAMPLES * 4
-        expected += chunk.num_frames
-    assert expected == n_frames
+        assert chunk.first_sample == expected
+        expected += len(chunk.pcm) // 4
+    assert expected == n_frames * FRAME_SAMPLES
     assert stream.chunks[-1].final and not any(c.final for c in stream.chunks[:-1])
 
 
-async def test_exact_stream_equals_one_full_decode(snac_server, stub):
-    frames = random_frames(40, seed=3)
-    stream = await _decode(stub, frames, seed=11, policy="exact", chunk=4)
-    audio = stream.audio()
-    assert audio.shape == (40 * FRAME_SAMPLES,)
-    full = snac_server.batcher._runner.decoder.decode_full(frames, seed=11)
-    assert np.abs(audio - full).max() <= 1e-4
-    assert np.abs(full).mean() > 1e-3, "a silent decoder would make this comparison vacuous"
-    _assert_complete_and_in_order(stream, 40)
+def _full(snac_server, frames, seed):
+    return snac_server.batcher._runner.full.decode_full(frames, seed=seed)
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "reference"])
-async def test_every_policy_emits_every_frame(stub, policy):
-    frames = random_frames(13, seed=4)
-    stream = await _decode(stub, frames, seed=2, policy=policy, chunk=0, per_message=3)
-    _assert_complete_and_in_order(stream, 13)
-    assert stream.chunks[0].first_frame == 0 and stream.chunks[0].num_frames >= 1
-
-
-async def test_adaptive_equals_full_decode_too(snac_server, stub):
-    frames = random_frames(30, seed=5)
-    stream = await _decode(stub, frames, seed=9, policy="adaptive", chunk=0, per_message=2)
-    full = snac_server.batcher._runner.decoder.decode_full(frames, seed=9)
+@pytest.mark.parametrize("per_message, interval", [(1, 0.0), (1, 0.02), (5, 0.0)], ids=["burst", "trickle", "fives"])
+async def test_streaming_equals_one_full_decode(snac_server, stub, per_message, interval):
+    frames = random_frames(17, seed=3)
+    stream = await _decode(stub, frames, seed=11, per_message=per_message, interval=interval)
+    full = _full(snac_server, frames, 11)
+    assert stream.audio().shape == (17 * FRAME_SAMPLES,)
     assert np.abs(stream.audio() - full).max() <= 1e-4
+    assert np.abs(full).mean() > 1e-3, "a silent decoder would make this comparison vacuous"
+    _assert_complete_and_in_order(stream, 17)
+
+
+async def test_reference_emits_every_frame(stub):
+    frames = random_frames(13, seed=4)
+    stream = await _decode(stub, frames, seed=2, policy="reference", per_message=3)
+    _assert_complete_and_in_order(stream, 13)
+    assert {len(c.pcm) for c in stream.chunks[:-1]} == {FRAME_SAMPLES * 4}, "the reference sends whole frames"
+
+
+async def test_streaming_decodes_each_frame_once_and_reference_four_times(snac_server, stub):
+    def counts():
+        value = snac_server.metrics.registry.get_sample_value
+        return value("snac_decoded_frames_total"), value("snac_emitted_frames_total")
+
+    frames = random_frames(30, seed=5)
+    for policy, ratio in (("streaming", (30 + 3) / 30), ("reference", 4.0)):
+        decoded, emitted = counts()
+        await _decode(stub, frames, seed=9, policy=policy, per_message=2)
+        after = counts()
+        assert (after[0] - decoded) / (after[1] - emitted) == pytest.approx(ratio), policy
 
 
 async def test_same_audio_alone_or_among_seven_other_streams(stub):
@@ -69,10 +77,11 @@ async def test_same_audio_alone_or_among_seven_other_streams(stub):
 async def test_sixteen_concurrent_streams_complete_in_order(snac_server, stub):
     lengths = [3 + i % 6 for i in range(16)]
     streams = await asyncio.gather(
-        *(_decode(stub, random_frames(n, seed=200 + i), seed=i, policy="adaptive", chunk=0) for i, n in enumerate(lengths))
+        *(_decode(stub, random_frames(n, seed=200 + i), seed=i, interval=0.01) for i, n in enumerate(lengths))
     )
-    for stream, n in zip(streams, lengths):
+    for i, (stream, n) in enumerate(zip(streams, lengths)):
         _assert_complete_and_in_order(stream, n)
+        assert np.abs(stream.audio() - _full(snac_server, random_frames(n, seed=200 + i), i)).max() <= 1e-4
     assert snac_server.metrics.batch_size.collect()[0].samples, "batch sizes are recorded"
     batches = {s.labels.get("le"): s.value for s in snac_server.metrics.batch_size.collect()[0].samples if s.name.endswith("_bucket")}
     assert batches["1.0"] < batches["+Inf"], "concurrent streams must share decode steps"
@@ -88,17 +97,18 @@ async def test_s16_output_matches_f32(stub):
 
 
 async def test_resumed_stream_continues_the_same_audio(stub):
-    """A client that lost its replica resends 3 frames of context and gets the rest, identical."""
+    """A client that lost its replica mid-frame resends 3 frames of context and gets the rest, identical."""
     frames = random_frames(24, seed=8)
     whole = (await _decode(stub, frames, seed=3)).audio()
-    resumed = await _decode(stub, frames[7:], seed=3, first_frame=7, emit_from_frame=10)
-    _assert_complete_and_in_order(resumed, 24, first=10)
-    assert np.abs(resumed.audio() - whole[10 * FRAME_SAMPLES :]).max() <= 1e-4
+    resume_at = 10 * FRAME_SAMPLES + 777
+    resumed = await _decode(stub, frames[7:], seed=3, first_frame=7, emit_from_sample=resume_at)
+    _assert_complete_and_in_order(resumed, 24, first_sample=resume_at)
+    assert np.abs(resumed.audio() - whole[resume_at:]).max() <= 1e-4
 
 
 async def test_empty_stream_gets_a_final_chunk(stub):
     stream = await _decode(stub, np.zeros((0, 7), dtype=np.int64))
-    assert len(stream.chunks) == 1 and stream.chunks[0].final and stream.chunks[0].num_frames == 0
+    assert len(stream.chunks) == 1 and stream.chunks[0].final and stream.chunks[0].pcm == b""
 
 
 def _bad_streams():
@@ -112,8 +122,8 @@ def _bad_streams():
         "header twice": ([header_request(1), header_request(2)], "header sent twice"),
         "nothing at all": ([], "closed before its session header"),
         "no end of stream": ([header_request(1), good], "without end_of_stream"),
-        "chunk too large": ([header_request(1, "exact", 999)], "exceeds this server's limit"),
-        "resume backwards": ([header_request(1, first_frame=9, emit_from_frame=2)], "before first_frame"),
+        "unknown policy": ([codec_pb2.DecodeRequest(header=codec_pb2.SessionHeader(policy=7))], "unknown policy"),
+        "resume backwards": ([header_request(1, first_frame=9, emit_from_sample=2)], "before first_frame"),
     }
 
 
@@ -133,9 +143,9 @@ async def test_bad_input_fails_only_its_own_stream(snac_server, stub, case):
     _assert_complete_and_in_order(await good, 10)
 
 
-async def test_a_vanished_client_frees_its_session(snac_server, stub):
+async def test_a_vanished_client_frees_its_session_and_slot(snac_server, stub):
     async def endless():
-        yield header_request(1, "exact", 4)
+        yield header_request(1)
         for i in range(10_000):
             yield frames_request(random_frames(1, seed=i))
             await asyncio.sleep(0.005)
@@ -149,21 +159,27 @@ async def test_a_vanished_client_frees_its_session(snac_server, stub):
             break
         await asyncio.sleep(0.05)
     assert snac_server.service.active == 0
+    for _ in range(100):  # the slot comes back after the stream's last row
+        if snac_server.batcher.slots.in_use() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert snac_server.batcher.slots.in_use() == 0
 
 
 async def test_health_reflection_and_metrics(snac_server):
     async with grpc.aio.insecure_channel(snac_server.address) as ch:
         health = health_pb2_grpc.HealthStub(ch)
-        for service in ("", "megapod.codec.v1.SnacCodec"):
+        for service in ("", "megapod.codec.v2.SnacCodec"):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         replies = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name async for r in replies for s in r.list_services_response.service}
-        assert {"megapod.codec.v1.SnacCodec", "grpc.health.v1.Health"} <= names
+        assert {"megapod.codec.v2.SnacCodec", "grpc.health.v1.Health"} <= names
     reader, writer = await asyncio.open_connection("127.0.0.1", snac_server.metrics_port)
     writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
     body = (await reader.read()).decode()
     writer.close()
-    for name in ("snac_batch_size", "snac_queue_wait_seconds", "snac_decode_step_seconds", "snac_active_streams", "snac_frames_decoded_total"):
+    for name in ("snac_batch_size", "snac_queue_wait_seconds", "snac_decode_step_seconds", "snac_active_streams",
+                 "snac_decoded_frames_total", "snac_emitted_frames_total", "snac_state_slots_in_use"):
         assert name in body

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from llm_server.audio_tokens import END_OF_SPEECH, STOP_TOKEN_IDS, slot_range
+from llm_server.audio_tokens import frame_violations
 from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
 from llm_server.model_source import resolve_model
@@ -35,19 +35,6 @@ async def _generate(engine, sampling: Sampling, request_id: str) -> list[int]:
     return tokens
 
 
-def _misplaced(tokens: list[int]) -> list[tuple[int, int]]:
-    """(position, token) of every token outside its frame slot's range."""
-    bad = []
-    for k, token in enumerate(tokens):
-        low, high = slot_range(k % 7)
-        if token in STOP_TOKEN_IDS:
-            if token != END_OF_SPEECH or k % 7:
-                bad.append((k, token))
-        elif not low <= token < high:
-            bad.append((k, token))
-    return bad
-
-
 @pytest.mark.parametrize("slot_sampler", [True, False], ids=["slot-sampler", "mask-only"])
 async def test_every_generated_id_lies_in_its_slot(engine, slot_sampler):
     engine._slot_sampler = slot_sampler
@@ -57,7 +44,7 @@ async def test_every_generated_id_lies_in_its_slot(engine, slot_sampler):
         engine._slot_sampler = True
     assert sum(len(o) for o in outs) > 8 * 7
     for tokens in outs:
-        assert _misplaced(tokens) == []
+        assert frame_violations(tokens) == []
 
 
 def test_the_engine_reports_the_attention_its_workers_chose(engine):
@@ -78,7 +65,7 @@ async def test_speculation_on_the_v1_runner_is_refused_before_loading():
 
 async def test_unconstrained_requests_are_left_alone(engine):
     tokens = await _generate(engine, Sampling(max_tokens=40, temperature=0, frame_constrained=False), "free-1")
-    assert _misplaced(tokens), "a random model without the mask should stray outside the slots"
+    assert frame_violations(tokens), "a random model without the mask should stray outside the slots"
 
 
 async def test_a_seed_makes_the_tokens_reproducible_whatever_runs_beside(engine):

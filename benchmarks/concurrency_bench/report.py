@@ -74,13 +74,23 @@ def comparison(targets: Sequence[dict[str, Any]], levels: Sequence[dict[str, Any
             "required_buffer_p95_ratio": _ratio(ra["required_buffer_s"]["p95"], rb["required_buffer_s"]["p95"]),
             "audio_s_per_s_ratio": _ratio(ra["audio_s_per_s"], rb["audio_s_per_s"]),
         })
+    codec = [codec_cpu_per_audio_s(levels, t["name"]) for t in (a, b)]
     return {"of": f"{a['name']} / {b['name']}", "n_max": [a["n_max"], b["n_max"]], "n_max_ratio": ratio,
-            "by_level": by_level}
+            "codec_cpu_s_per_audio_s": codec, "codec_cpu_ratio": _ratio(*codec), "by_level": by_level}
+
+
+def codec_cpu_per_audio_s(levels: Sequence[dict[str, Any]], name: str) -> float | None:
+    """CPU seconds the codec replicas spent per second of audio delivered, over every level of one local stack."""
+    rows = [r for r in levels if r["endpoint"] == name and "codec_cpu_s" in r]
+    audio = sum(r["audio_s"] for r in rows)
+    return round(sum(r["codec_cpu_s"] for r in rows) / audio, 3) if audio else None
 
 
 def comparison_text(c: dict[str, Any]) -> str:
     a, b = c["of"].split(" / ")
-    lines = [f"N_max: {a} {c['n_max'][0]}, {b} {c['n_max'][1]}  ->  ratio {a}/{b} = {_x(c['n_max_ratio'])}"]
+    lines = [f"N_max: {a} {c['n_max'][0]}, {b} {c['n_max'][1]}  ->  ratio {a}/{b} = {_x(c['n_max_ratio'])}",
+             f"codec CPU-s per audio-s: {a} {c['codec_cpu_s_per_audio_s'][0]}, {b} {c['codec_cpu_s_per_audio_s'][1]}"
+             f"  ->  ratio {_x(c['codec_cpu_ratio'])}"]
     for row in c["by_level"]:
         lines.append(f"  N={row['n']:<4d} pass {row['passed'][0]!s:5}/{row['passed'][1]!s:5} "
                      f"TTFA p50 x{_x(row['ttfa_p50_ratio'])} p95 x{_x(row['ttfa_p95_ratio'])} "

@@ -137,10 +137,14 @@ class LocalStack:
             except psutil.Error:
                 pass
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds (user + system) used so far by the stack's live processes."""
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far by the stack's live processes, by tier: `codec` (the
+        snac_server replicas), `llm` (the workers, their engine cores included) and `other` (launcher, front)."""
         self.remember()
-        return sum(_cpu_seconds(proc) for proc in self.procs.values())
+        out = {"codec": 0.0, "llm": 0.0, "other": 0.0}
+        for proc in self.procs.values():
+            out[_tier(proc)] += _cpu_seconds(proc)
+        return out
 
     def gpus(self) -> int:
         """GPUs this stack uses. The local launcher pins no worker to a device, so all CUDA work shares one."""
@@ -191,13 +195,23 @@ def cpu_snapshot(stacks: Sequence[LocalStack]) -> dict[str, Any]:
 
 
 def cpu_cores(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Average cores busy over a level: each started stack, this client, and everything else."""
+    """Average cores busy over a level: each started stack (and its tiers), this client, and everything else."""
     wall = b["wall"] - a["wall"]
-    stacks = {k: max(0.0, b["stacks"][k] - a["stacks"][k]) for k in a["stacks"]}
+    tiers = {(k, t): max(0.0, b["stacks"][k][t] - a["stacks"][k][t]) for k in a["stacks"] for t in a["stacks"][k]}
+    stacks = {k: sum(v for (name, _), v in tiers.items() if name == k) for k in a["stacks"]}
     client = b["client"] - a["client"]
     other = max(0.0, b["machine"] - a["machine"] - sum(stacks.values()) - client)
-    return {**{f"stack {k}": round(v / wall, 3) for k, v in stacks.items()}, "client": round(client / wall, 3),
-            "other_processes": round(other / wall, 3)}
+    return {**{f"stack {k}": round(v / wall, 3) for k, v in stacks.items()},
+            **{f"stack {k} {t}": round(v / wall, 3) for (k, t), v in tiers.items()},
+            "client": round(client / wall, 3), "other_processes": round(other / wall, 3)}
+
+
+def _tier(proc: psutil.Process) -> str:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    return "codec" if "snac_server" in cmdline else "llm" if "llm_server" in cmdline or "EngineCore" in proc.name() else "other"
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:

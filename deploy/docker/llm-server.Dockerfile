@@ -10,6 +10,7 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY codec_contract ./codec_contract
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

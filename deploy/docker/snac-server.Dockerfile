@@ -14,6 +14,7 @@ ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY codec_contract ./codec_contract
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

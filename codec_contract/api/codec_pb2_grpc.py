@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from snac_server.api import codec_pb2 as snac__server_dot_api_dot_codec__pb2
+from codec_contract.api import codec_pb2 as codec__contract_dot_api_dot_codec__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in snac_server/api/codec_pb2_grpc.py depends on'
+        + ' but the generated code in codec_contract/api/codec_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -35,9 +35,9 @@ class SnacCodecStub:
             channel: A grpc.Channel.
         """
         self.Decode = channel.stream_stream(
-                '/megapod.codec.v1.SnacCodec/Decode',
-                request_serializer=snac__server_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=snac__server_dot_api_dot_codec__pb2.PcmChunk.FromString,
+                '/megapod.codec.v2.SnacCodec/Decode',
+                request_serializer=codec__contract_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=codec__contract_dot_api_dot_codec__pb2.PcmChunk.FromString,
                 _registered_method=True)
 
 
@@ -56,14 +56,14 @@ def add_SnacCodecServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.stream_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=snac__server_dot_api_dot_codec__pb2.DecodeRequest.FromString,
-                    response_serializer=snac__server_dot_api_dot_codec__pb2.PcmChunk.SerializeToString,
+                    request_deserializer=codec__contract_dot_api_dot_codec__pb2.DecodeRequest.FromString,
+                    response_serializer=codec__contract_dot_api_dot_codec__pb2.PcmChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'megapod.codec.v1.SnacCodec', rpc_method_handlers)
+            'megapod.codec.v2.SnacCodec', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('megapod.codec.v1.SnacCodec', rpc_method_handlers)
+    server.add_registered_method_handlers('megapod.codec.v2.SnacCodec', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -84,9 +84,9 @@ class SnacCodec:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/megapod.codec.v1.SnacCodec/Decode',
-            snac__server_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
-            snac__server_dot_api_dot_codec__pb2.PcmChunk.FromString,
+            '/megapod.codec.v2.SnacCodec/Decode',
+            codec__contract_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
+            codec__contract_dot_api_dot_codec__pb2.PcmChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,7 @@ class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     POLICY_UNSPECIFIED: _ClassVar[Policy]
     POLICY_REFERENCE: _ClassVar[Policy]
-    POLICY_EXACT: _ClassVar[Policy]
-    POLICY_ADAPTIVE: _ClassVar[Policy]
+    POLICY_STREAMING: _ClassVar[Policy]
 
 class SampleFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,29 +20,26 @@ class SampleFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAMPLE_FORMAT_S16LE: _ClassVar[SampleFormat]
 POLICY_UNSPECIFIED: Policy
 POLICY_REFERENCE: Policy
-POLICY_EXACT: Policy
-POLICY_ADAPTIVE: Policy
+POLICY_STREAMING: Policy
 SAMPLE_FORMAT_UNSPECIFIED: SampleFormat
 SAMPLE_FORMAT_F32LE: SampleFormat
 SAMPLE_FORMAT_S16LE: SampleFormat
 
 class SessionHeader(_message.Message):
-    __slots__ = ("seed", "policy", "chunk_frames", "sample_format", "first_frame", "emit_from_frame", "stream_id")
+    __slots__ = ("seed", "policy", "sample_format", "first_frame", "emit_from_sample", "stream_id")
     SEED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
-    EMIT_FROM_FRAME_FIELD_NUMBER: _ClassVar[int]
+    EMIT_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     seed: int
     policy: Policy
-    chunk_frames: int
     sample_format: SampleFormat
     first_frame: int
-    emit_from_frame: int
+    emit_from_sample: int
     stream_id: str
-    def __init__(self, seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., chunk_frames: _Optional[int] = ..., sample_format: _Optional[_Union[SampleFormat, str]] = ..., first_frame: _Optional[int] = ..., emit_from_frame: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., sample_format: _Optional[_Union[SampleFormat, str]] = ..., first_frame: _Optional[int] = ..., emit_from_sample: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("codes",)
@@ -72,13 +68,11 @@ class DecodeRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., frames: _Optional[_Union[Frames, _Mapping]] = ..., end: _Optional[_Union[EndOfStream, _Mapping]] = ...) -> None: ...
 
 class PcmChunk(_message.Message):
-    __slots__ = ("first_frame", "num_frames", "pcm", "final")
-    FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
-    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("first_sample", "pcm", "final")
+    FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     PCM_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
-    first_frame: int
-    num_frames: int
+    first_sample: int
     pcm: bytes
     final: bool
-    def __init__(self, first_frame: _Optional[int] = ..., num_frames: _Optional[int] = ..., pcm: _Optional[bytes] = ..., final: _Optional[bool] = ...) -> None: ...
+    def __init__(self, first_sample: _Optional[int] = ..., pcm: _Optional[bytes] = ..., final: _Optional[bool] = ...) -> None: ...

