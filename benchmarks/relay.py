@@ -50,7 +50,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from llm_server.audio_format import SAMPLE_BYTES, SAMPLE_RATE  # noqa: E402
+from llm_server.encoding import S16_BYTES as SAMPLE_BYTES, SAMPLE_RATE  # noqa: E402
 from processes import Proc, llm_process, snac_process, wait_http_ready, wait_snac_serving  # noqa: E402
 from provenance import cpu_model, descendants, git_commit, machine_busy_s, timestamp, versions  # noqa: E402
 

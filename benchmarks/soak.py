@@ -60,7 +60,7 @@ from concurrency_bench import report  # noqa: E402
 from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
 from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request  # noqa: E402
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles  # noqa: E402
-from concurrency_bench.stack import LocalStack, _gauge, cpu_cores, cpu_snapshot  # noqa: E402
+from concurrency_bench.stack import LocalStack, gauge, cpu_cores, cpu_snapshot  # noqa: E402
 from provenance import timestamp  # noqa: E402
 
 SAMPLES_PER_FRAME = 2048
@@ -333,7 +333,7 @@ async def worker_metric(stack: LocalStack, name: str) -> float:
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         texts = [(await client.get(f"http://{stack.config.host}:{p}/metrics")).text
                  for p in stack.config.worker_ports()]
-    return sum(_gauge(t, name) for t in texts)
+    return sum(gauge(t, name) for t in texts)
 
 
 async def health(stack: LocalStack) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Optional API keys: `Authorization: Bearer <key>` on /v1/*, each key name with its own stream cap.
+"""Optional API keys on /v1/* and /tts/* (HTTP and WebSocket handshakes), each key name with its own
+stream cap. Each protocol's clients send the key their own way: `Authorization: Bearer` (OpenAI),
+`Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia).
 
 The keys file holds lines `name:key[:max_streams]` (`#` comments and blank lines allowed). A
 name may have several keys, so during a rotation the old and the new key both work; they share
@@ -15,6 +17,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from urllib.parse import parse_qs
 
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY = re.compile(r"\S{8,512}")
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIXES = ("/v1/", "/tts/")
 
 
 class ApiKeysError(ValueError):
@@ -118,15 +121,22 @@ class ApiKeys:
         log.info("api keys reloaded: %d key(s) for %d name(s)", len(keys), len({k.name for k in keys}))
 
 
-def bearer_token(scope: Scope) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header, or None."""
-    scheme, token = get_authorization_scheme_param(Headers(scope=scope).get("authorization"))
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+def presented_key(scope: Scope) -> str | None:
+    """The key a request presents, the way its protocol sends it; None when it has none."""
+    headers = Headers(scope=scope)
+    scheme, token = get_authorization_scheme_param(headers.get("authorization"))
+    if scheme.lower() in ("bearer", "token") and token.strip():
+        return token.strip()
+    if headers.get("x-api-key", "").strip():
+        return headers["x-api-key"].strip()
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return query["api_key"][0].strip() if query.get("api_key", [""])[0].strip() else None
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI, ahead of the body: requests to /v1/* without a known key get 401 before their
-    body is read; an accepted key goes to the endpoint as `request.state.api_key`."""
+    """Pure ASGI, ahead of the body: requests to /v1/* or /tts/* without a known key get 401 before
+    their body is read (a WebSocket handshake gets 403); an accepted key goes to the endpoint as
+    `request.state.api_key` (`websocket.state.api_key`)."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, on_refused=None) -> None:
         self.app = app
@@ -134,14 +144,17 @@ class ApiKeyMiddleware:
         self.on_refused = on_refused or (lambda: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith(PROTECTED_PREFIXES):
             await self.app(scope, receive, send)
             return
-        token = bearer_token(scope)
+        token = presented_key(scope)
         key = self.keys.lookup(token) if token else None
         if key is None:
             self.on_refused()
             log.info("refused %s: %s API key", scope["path"], "invalid" if token else "no")
+            if scope["type"] == "websocket":  # closed before accept: the handshake gets 403
+                await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
+                return
             message = "invalid API key" if token else "missing API key: send Authorization: Bearer <key>"
             await error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(
                 scope, receive, send)

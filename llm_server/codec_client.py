@@ -183,20 +183,24 @@ class CodecStream:
         self._reading: asyncio.Future | None = None  # the pending call.read(), kept across stall checks
         self._lock = asyncio.Lock()  # one writer at a time: resends must not interleave new frames
         self._cancelled = False
-        self._opened = asyncio.Event()  # the first call is open (or the stream was cancelled first)
+        self._arrived = asyncio.Event()  # frames or the end came in (or the stream was cancelled)
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
 
     async def send(self, frames: np.ndarray) -> None:
-        """Queue frames (n, 7) for decoding; a dead replica is noticed and replaced by chunks()."""
+        """Queue frames (n, 7) for decoding; a dead replica is noticed and replaced by chunks().
+
+        Until chunks() is first read the frames are only kept: the call opens when someone wants
+        the audio. A speech stream generates its next sentence while the current one plays; decoding
+        that early would take the codec from streams that need audio now, and hold a decoder slot.
+        """
         async with self._lock:
             was_owed = self._owed()
             self._frames = np.concatenate([self._frames, frames.astype(np.int64)])
             self._start_stall_clock(was_owed)
-            if self._call is None:
-                await self._open()
-            else:
+            self._arrived.set()
+            if self._call is not None:
                 await self._write(frames_request(frames))
 
     async def end(self) -> None:
@@ -205,9 +209,8 @@ class CodecStream:
             was_owed = self._owed()
             self._ended = True
             self._start_stall_clock(was_owed)
-            if self._call is None:
-                await self._open()
-            else:
+            self._arrived.set()
+            if self._call is not None:
                 await self._write(END_REQUEST)
                 await self._done_writing()
 
@@ -218,7 +221,10 @@ class CodecStream:
             if self._cancelled:
                 raise CodecError("stream cancelled")
             if self._call is None:
-                await self._opened.wait()  # nothing sent yet
+                await self._arrived.wait()  # nothing sent yet: open once there is something to decode
+                async with self._lock:
+                    if self._call is None and not self._cancelled:
+                        await self._open()
                 continue
             call = self._call
             message = await self._next_message(call)
@@ -237,7 +243,7 @@ class CodecStream:
     def cancel(self) -> None:
         """Abandon the stream (client went away): the codec drops its session."""
         self._cancelled = True
-        self._opened.set()
+        self._arrived.set()
         if self._call is not None:
             self._call.cancel()
 
@@ -318,7 +324,6 @@ class CodecStream:
             first_frame=first, emit_from_sample=self._delivered, stream_id=self._stream_id,
         )
         self._call = self._stub().Decode(wait_for_ready=True)
-        self._opened.set()
         await self._write(codec_pb2.DecodeRequest(header=header))
         pending = self._frames[first - self._frames_start :]
         if len(pending):

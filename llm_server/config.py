@@ -15,8 +15,10 @@ from snac_server.config import config_from_args
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
+# All 13 that Pipecat's OpenAITTSService accepts.
 OPENAI_VOICE_ALIASES = (
-    "alloy=tara,ash=dan,ballad=leo,coral=leah,echo=zac,fable=mia,nova=jess,onyx=leo,sage=zoe,shimmer=mia,verse=dan"
+    "alloy=tara,ash=dan,ballad=leo,cedar=zac,coral=leah,echo=zac,fable=mia,marin=jess,nova=jess,onyx=leo,sage=zoe,"
+    "shimmer=mia,verse=dan"
 )
 
 
@@ -63,6 +65,11 @@ class LlmServerConfig:
     # Security: API keys file (lines `name:key[:max_streams]`, re-read when it changes); empty: open.
     api_keys_file: str = ""
     log_input_text: bool = False  # request text stays out of logs unless asked for
+    # Leading silence (Orpheus often opens with a few hundred ms): dropped up to the first sample above
+    # the threshold, at most max_ms of it. Off by default; time to first audible audio is measured either way.
+    trim_silence: bool = False
+    trim_silence_dbfs: float = -40.0
+    trim_silence_max_ms: float = 500.0
     # Sampling defaults (the reference's; repetition penalty >= 1.1 keeps speech stable)
     temperature: float = 0.6
     top_p: float = 0.8

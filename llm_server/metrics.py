@@ -19,11 +19,15 @@ class LlmMetrics:
         self.time_to_first_audio = Histogram(
             "orpheus_time_to_first_audio_seconds", "Request start to first audio byte", buckets=_TTFA_BUCKETS, registry=r
         )
+        self.time_to_first_audible_audio = Histogram(
+            "orpheus_time_to_first_audible_audio_seconds", "Request start to the first audio above the silence threshold",
+            buckets=_TTFA_BUCKETS, registry=r,
+        )
         self.active_streams = Gauge("orpheus_active_streams", "Speech streams being served", registry=r)
         self.tokens = Counter("orpheus_generated_tokens", "Audio-code tokens generated", registry=r)
         self.frames = Counter("orpheus_frames", "Audio frames generated (7 tokens each)", registry=r)
         self.audio_seconds = Counter("orpheus_audio_seconds", "Seconds of audio delivered", registry=r)
-        # outcome: ok, disconnected, error, slow_client (cut off), refused (a stream cap)
+        # outcome: ok, disconnected, error, slow_client (cut off), cancelled (barge-in), refused (a stream cap)
         self.requests = Counter("orpheus_requests", "Speech requests by outcome", ["outcome"], registry=r)
         # By key name (never the key), when API keys are on: outcomes as above, plus refused_key.
         self.key_requests = Counter("orpheus_key_requests", "Speech requests by API key name and outcome",

@@ -1,7 +1,11 @@
-"""One speech stream end to end: text -> segments -> engine tokens -> frames -> codec -> PCM.
+"""One stream's audio: text segments in, in order; PCM out, in order.
 
-Long text is split at sentence boundaries; each segment is its own engine request, and
-all their frames feed one codec stream, so the listener hears one continuous stream.
+Each segment is its own engine request (the model degrades on long prompts) and its own codec
+stream, ended as soon as its generation ends: the decoder flushes the segment's tail at once, so a
+voice agent that pauses between sentences hears every sample of the last one. Segments are
+generated one after another while earlier ones are still being decoded and played; a segment's
+codec stream opens when its audio is next in line, so a long answer holds one decoder slot and the
+codec decodes what is about to be heard first.
 """
 
 from __future__ import annotations
@@ -13,63 +17,109 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from .audio_tokens import FrameAssembler
-from .codec_client import CodecClient, CodecError, CodecStream
+from .codec_client import AudioChunk, CodecClient, CodecError, CodecStream
 from .config import LlmServerConfig
 from .engine import Engine, Sampling
 from .metrics import LlmMetrics
-from .prompt import Tokenizer, prompt_ids, split_sentences, token_budget
+from .prompt import Tokenizer, prompt_ids, token_budget
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SpeechJob:
-    """A validated request: text, the Orpheus voice to speak it, and its seed."""
+    """What is spoken, by whom: the request id (names engine and codec requests), voice and seed."""
 
     request_id: str
-    text: str
     voice: str
     seed: int
 
 
+@dataclass(frozen=True)
+class SegmentEnd:
+    """All the audio of segment `index` (its `text`, `samples` long) has been handed out."""
+
+    index: int
+    text: str
+    samples: int
+
+
 class SpeechStream:
-    """PCM chunks of one job, in order; cancel() stops the engine requests and the codec stream."""
+    """Segments in with add()/end(); audio() yields each segment's AudioChunks, then its SegmentEnd.
+
+    cancel() stops at once: the engine request is aborted (its KV cache freed) and the codec streams
+    are cancelled.
+    """
 
     def __init__(self, pipeline: SpeechPipeline, job: SpeechJob) -> None:
         self.job = job
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self._codec = pipeline.codec.stream(job.seed, job.request_id)
-        self._producer = asyncio.create_task(pipeline.produce(self, self._codec))
+        self._texts: asyncio.Queue[str | None] = asyncio.Queue()
+        self._codecs: asyncio.Queue[tuple[str, CodecStream] | None] = asyncio.Queue()
+        self._live: set[CodecStream] = set()
+        self._producer = asyncio.create_task(pipeline.produce(self))
         self._producer.add_done_callback(self._wake_on_failure)
 
-    def cancel(self) -> None:
-        """The client went away: abort generation (frees KV cache) and the codec session."""
-        self._producer.cancel()
-        self._codec.cancel()
+    def add(self, text: str) -> None:
+        """Speak `text` after everything added before it."""
+        self._texts.put_nowait(text)
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._codec.chunks():
-                if chunk.pcm:
-                    yield chunk.pcm
-            await self._producer
-        except CodecError:
-            if self._producer.done() and not self._producer.cancelled() and self._producer.exception():
-                raise self._producer.exception() from None
-            raise
-        finally:
-            self.cancel()
-            await asyncio.gather(self._producer, return_exceptions=True)
+    def end(self) -> None:
+        """No more segments: audio() ends after the last one's audio."""
+        self._texts.put_nowait(None)
+
+    async def audio(self) -> AsyncIterator[AudioChunk | SegmentEnd]:
+        index = 0
+        while True:
+            item = await self._codecs.get()
+            if item is None:
+                if not self._producer.cancelled():
+                    await self._producer  # re-raises a failure before any codec stream opened
+                return
+            text, codec = item
+            samples = 0
+            try:
+                async for chunk in codec.chunks():
+                    samples += chunk.num_samples
+                    yield chunk
+            except CodecError:
+                self._raise_producer_failure()
+                raise
+            finally:
+                self._live.discard(codec)
+            yield SegmentEnd(index, text, samples)
+            index += 1
+
+    def cancel(self) -> None:
+        """Abort generation (frees the KV cache) and every codec stream."""
+        self._producer.cancel()
+        for codec in list(self._live):
+            codec.cancel()
+
+    async def close(self) -> None:
+        """Cancel, and wait until generation has really stopped."""
+        self.cancel()
+        await asyncio.gather(self._producer, return_exceptions=True)
+
+    def _next_codec(self, codec: CodecStream, text: str) -> None:
+        self._live.add(codec)
+        self._codecs.put_nowait((text, codec))
 
     def _wake_on_failure(self, producer: asyncio.Task) -> None:
-        """A failed producer cancels the codec stream: its reader would otherwise wait forever."""
-        if not producer.cancelled() and producer.exception() is not None:
-            self._codec.cancel()
+        """A failed producer cancels the codec streams, and an idle reader gets the end: nobody waits forever."""
+        if producer.cancelled() or producer.exception() is not None:
+            for codec in list(self._live):
+                codec.cancel()
+            self._codecs.put_nowait(None)
+
+    def _raise_producer_failure(self) -> None:
+        if self._producer.done() and not self._producer.cancelled() and self._producer.exception():
+            raise self._producer.exception() from None
 
 
 class SpeechPipeline:
-    """Turns SpeechJobs into 16-bit PCM at 24 kHz, chunk by chunk, as soon as it is decoded."""
+    """Turns segments into 24 kHz s16le PCM, chunk by chunk, as soon as it is decoded."""
 
     def __init__(
         self, engine: Engine, codec: CodecClient, tokenizer: Tokenizer, config: LlmServerConfig, metrics: LlmMetrics
@@ -81,30 +131,39 @@ class SpeechPipeline:
         self._metrics = metrics
 
     def start(self, job: SpeechJob) -> SpeechStream:
-        """Begin generating; iterate the result for audio."""
+        """Begin a stream; add() its segments, iterate audio() for PCM."""
         return SpeechStream(self, job)
 
-    async def produce(self, out: SpeechStream, codec: CodecStream) -> None:
-        """Generate every segment in order and send its frames to the codec as they complete."""
+    async def produce(self, out: SpeechStream) -> None:
+        """Generate every segment in order, sending its frames to its codec stream as they complete."""
         job = out.job
-        for index, segment in enumerate(split_sentences(job.text, self._config.max_segment_chars)):
-            ids = prompt_ids(self._tokenizer, job.voice, segment)
-            out.prompt_tokens += len(ids)
-            assembler = FrameAssembler()
-            generation = self.engine.generate(ids, self._sampling(segment, len(ids), job.seed + index), f"{job.request_id}-{index}")
-            # Closed here even when cancelled mid-send: the engine aborts the request at once,
-            # not whenever the garbage collector finalizes a dropped generator.
-            async with aclosing(generation):
-                async for tokens in generation:
-                    out.generated_tokens += len(tokens)
-                    self._metrics.tokens.inc(len(tokens))
-                    frames = assembler.feed(tokens)
-                    if len(frames):
-                        self._metrics.frames.inc(len(frames))
-                        await codec.send(frames)
-            assembler.finish()
-            if assembler.dropped_tokens:
-                log.warning("%s segment %d: dropped %d tokens of a partial frame", job.request_id, index, assembler.dropped_tokens)
+        index = 0
+        while (text := await out._texts.get()) is not None:
+            seed = (job.seed + index) & 0x7FFFFFFF
+            codec = self.codec.stream(seed, f"{job.request_id}-{index}")
+            out._next_codec(codec, text)
+            await self._generate(out, codec, text, seed, f"{job.request_id}-{index}")
+            index += 1
+        out._codecs.put_nowait(None)
+
+    async def _generate(self, out: SpeechStream, codec: CodecStream, text: str, seed: int, request_id: str) -> None:
+        ids = prompt_ids(self._tokenizer, out.job.voice, text)
+        out.prompt_tokens += len(ids)
+        assembler = FrameAssembler()
+        generation = self.engine.generate(ids, self._sampling(text, len(ids), seed), request_id)
+        # Closed here even when cancelled mid-send: the engine aborts the request at once,
+        # not whenever the garbage collector finalizes a dropped generator.
+        async with aclosing(generation):
+            async for tokens in generation:
+                out.generated_tokens += len(tokens)
+                self._metrics.tokens.inc(len(tokens))
+                frames = assembler.feed(tokens)
+                if len(frames):
+                    self._metrics.frames.inc(len(frames))
+                    await codec.send(frames)
+        assembler.finish()
+        if assembler.dropped_tokens:
+            log.warning("%s: dropped %d tokens of a partial frame", request_id, assembler.dropped_tokens)
         await codec.end()
 
     def _sampling(self, segment: str, prompt_len: int, seed: int) -> Sampling:
@@ -113,5 +172,5 @@ class SpeechPipeline:
             temperature=self._config.temperature,
             top_p=self._config.top_p,
             repetition_penalty=self._config.repetition_penalty,
-            seed=seed & 0x7FFFFFFF,
+            seed=seed,
         )

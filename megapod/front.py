@@ -1,9 +1,12 @@
-"""The MegaPod's single HTTP endpoint: each speech request goes to the worker with the fewest
-active streams; a worker at its cap (429) passes the request to the next one.
+"""The MegaPod's single endpoint: each speech request or socket goes to the worker with the fewest
+active streams; a worker at its cap (429) passes an HTTP request to the next one.
 
-Responses are relayed as they stream. A client that disconnects closes the upstream
-request at once, so the worker aborts its engine request. API keys are the workers' business:
-the front passes `Authorization` (and `X-Request-Id`) through and relays their 401s as they are.
+Every front door is relayed: OpenAI's POST /v1/audio/speech, the Cartesia- and Deepgram-compatible
+WebSockets (/tts/websocket, /v1/speak) both ways, message by message, and their HTTP twins (POST
+/tts/bytes, /v1/speak), query strings included. Responses stream as they come. A client that
+disconnects closes the upstream request or socket at once, so the worker aborts generation. API
+keys are the workers' business: the front passes the headers each protocol authenticates with
+(`Authorization`, `X-API-Key`) and `X-Request-Id`, and relays refusals as they are.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import logging
 from collections.abc import AsyncIterator
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.websockets import WebSocketDisconnect
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from llm_server.errors import error_response
 
@@ -24,8 +30,11 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
-# Request headers the workers act on: the API key, and the id their log lines carry.
-_PASSED_HEADERS = ("authorization", "x-request-id")
+# Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
+_PASSED_HEADERS = ("authorization", "x-api-key", "x-request-id")
+SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
+SOCKETS = ("/tts/websocket", "/v1/speak")
+TRY_AGAIN_LATER = 1013
 
 
 class WorkerPool:
@@ -53,15 +62,15 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
     app = FastAPI(title="Orpheus MegaPod front")
     app.state.pool = pool
 
-    @app.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
         body = await _bounded_body(request)
         if body is None:
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         for url in pool.order():
             try:
-                upstream = await client.send(client.build_request("POST", f"{url}/v1/audio/speech", content=body, headers=headers), stream=True)
+                upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers), stream=True)
             except httpx.HTTPError as exc:
                 log.warning("worker %s unreachable: %s", url, exc)
                 continue
@@ -72,6 +81,14 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
             return _relay(upstream, url, pool, active, request)
         return error_response(429, "every worker is at its stream limit; retry shortly", code="rate_limit_exceeded",
                               headers={"Retry-After": "1"})
+
+    async def socket(ws: WebSocket) -> None:
+        await _relay_socket(ws, pool, active)
+
+    for path in SPEECH_POSTS:
+        app.add_api_route(path, speech, methods=["POST"])
+    for path in SOCKETS:
+        app.add_api_websocket_route(path, socket)
 
     @app.get("/v1/voices")
     async def voices(request: Request) -> Response:
@@ -153,3 +170,62 @@ async def _close_on_disconnect(request: Request, upstream: httpx.Response) -> No
     while (await request.receive())["type"] != "http.disconnect":
         pass
     await upstream.aclose()
+
+
+async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
+    """One client socket to the least active worker's, message by message both ways; either side's
+    close closes the other (a worker's 1013 reaches the client as 1013)."""
+    target = ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
+    headers = {name: ws.headers[name] for name in _PASSED_HEADERS if name in ws.headers}
+    for url in pool.order():
+        try:
+            upstream = await connect("ws" + url.removeprefix("http") + target, additional_headers=headers)
+        except InvalidStatus:  # the worker refused the handshake (a missing or unknown key): so does the front
+            await ws.close(1008)
+            return
+        except OSError as exc:
+            log.warning("worker %s unreachable: %s", url, exc)
+            continue
+        break
+    else:
+        await ws.accept()
+        await ws.close(TRY_AGAIN_LATER, "no worker reachable")
+        return
+    await ws.accept()
+    pool.active[url] += 1
+    active.labels(url).inc()
+    try:
+        await _pump_both_ways(ws, upstream)
+    finally:
+        pool.active[url] -= 1
+        active.labels(url).dec()
+
+
+async def _pump_both_ways(ws: WebSocket, upstream) -> None:
+    async def client_to_worker() -> None:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            await upstream.send(message["text"] if message.get("text") is not None else message["bytes"])
+
+    async def worker_to_client() -> None:
+        async for message in upstream:
+            if isinstance(message, str):
+                await ws.send_text(message)
+            else:
+                await ws.send_bytes(message)
+
+    tasks = [asyncio.create_task(client_to_worker()), asyncio.create_task(worker_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        code = upstream.close_code or 1000
+        await upstream.close()
+        try:
+            await ws.close(code)
+        except (RuntimeError, WebSocketDisconnect, ConnectionClosed):
+            pass

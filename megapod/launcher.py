@@ -42,10 +42,12 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # A session of its own: Ctrl-C in the terminal reaches the launcher only, which then
-        # stops the children in order (workers drain before replicas go).
+        # A process group of its own: Ctrl-C in the terminal reaches the launcher only, which then
+        # stops the children in order (workers drain before replicas go). Not a session of its own:
+        # Linux's autogroup schedules each session as one unit, and a codec replica in its own
+        # session got no CPU for seconds while a CPU worker generated (benchmarks/codec_beside_engine.py).
         self.popen = subprocess.Popen(
-            self.argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+            self.argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, process_group=0,
             env={**os.environ, **self.env},
         )
         self.started_at = time.monotonic()

@@ -31,7 +31,7 @@ class SnacServerConfig:
     max_batch: int = 32  # rows per decode step
     max_wait_ms: float = 5.0  # how long the first row of a step waits for company
     # Frames (rows x frames per row) per eager forward; a step's rows are split above it. On CPU a
-    # big forward's activations leave the cache and each frame costs more. 0: 48 on CPU, no cap on GPU.
+    # big forward's activations leave the cache and each frame costs more. 0: 16 on CPU, no cap on GPU.
     max_step_frames: int = 0
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
     # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits.

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from codec_contract.api import codec_pb2, codec_pb2_grpc
+from codec_contract.api import codec_pb2_grpc
 from codec_contract.audio import STREAMING_DELAY_SAMPLES
 from codec_contract.client import SERVICE
 

@@ -191,14 +191,14 @@ def test_search_stops_at_its_level_budget():
 
 
 def test_idle_wait_reads_the_workers_gauges():
-    from concurrency_bench.stack import _gauge
+    from concurrency_bench.stack import gauge
 
     page = ('# HELP orpheus_active_streams Speech streams being served\n# TYPE orpheus_active_streams gauge\n'
             'orpheus_active_streams{worker="0"} 2.0\norpheus_active_streams{worker="1"} 1.0\n'
             '# TYPE orpheus_active_streams_peak gauge\norpheus_active_streams_peak 9.0\n')
-    assert _gauge(page, "orpheus_active_streams") == 3.0  # labelled samples summed, the longer name not
-    assert math.isnan(_gauge(page, "orpheus_engine_unfinished_requests"))  # absent: never reads as idle
-    assert math.isnan(_gauge("<html>502 Bad Gateway</html>", "orpheus_active_streams"))
+    assert gauge(page, "orpheus_active_streams") == 3.0  # labelled samples summed, the longer name not
+    assert math.isnan(gauge(page, "orpheus_engine_unfinished_requests"))  # absent: never reads as idle
+    assert math.isnan(gauge("<html>502 Bad Gateway</html>", "orpheus_active_streams"))
 
 
 # -- the load client against the trivial endpoint ---------------------------------------------------

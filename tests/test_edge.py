@@ -14,178 +14,16 @@ import logging
 import os
 import random
 import socket
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 
-from llm_server.admission import AdmissionController
 from llm_server.api import create_app
-from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
 from llm_server.auth import ApiKeysError
-from llm_server.codec_client import CodecClient
 from llm_server.config import LlmServerConfig
-from llm_server.engine import EngineError, Sampling
-from llm_server.metrics import LlmMetrics
 from llm_server.request_log import RequestIdFilter
-from llm_server.runtime import Runtime, codec_client_config
-from llm_server.speech import SpeechPipeline
 
-FRAME_BYTES = 2048 * 2  # s16 samples per frame
-BYTES_PER_SECOND = 24000 * 2
-
-
-class ScriptedEngineDouble:
-    """A test double of the Engine protocol: valid audio-token batches, fast (faster than real
-    time, like a GPU), `frames` per request whatever the token budget, and a scripted failure
-    after `fail_after_frames`, once `fail_gate` is set (by a test that has seen audio arrive)."""
-
-    def __init__(self, frames: int = 48, frames_per_batch: int = 2, batch_delay_s: float = 0.002,
-                 fail_after_frames: int | None = None) -> None:
-        self.frames = frames
-        self.frames_per_batch = frames_per_batch
-        self.batch_delay_s = batch_delay_s
-        self.fail_after_frames = fail_after_frames
-        self.fail_gate = asyncio.Event()
-        self.live = 0  # generators started and not yet finalized
-        self.started = 0
-
-    async def start(self) -> None:
-        pass
-
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
-        self.live += 1
-        self.started += 1
-        rng = random.Random(request_id)
-        try:
-            sent = 0
-            while sent < self.frames:
-                if self.fail_after_frames is not None and sent >= self.fail_after_frames:
-                    await self.fail_gate.wait()
-                    raise EngineError("scripted engine failure")
-                n = min(self.frames_per_batch, self.frames - sent)
-                await asyncio.sleep(self.batch_delay_s)
-                yield [code_to_token(rng.randrange(4096), slot) for _ in range(n) for slot in range(7)]
-                sent += n
-            yield [END_OF_SPEECH]
-        finally:
-            self.live -= 1
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    def num_unfinished(self) -> int:
-        return self.live
-
-    def describe(self) -> dict[str, object]:
-        return {"engine": "scripted test double"}
-
-    async def shutdown(self) -> None:
-        pass
-
-
-class CharTokenizerDouble:
-    """A tokenizer test double: one id per character (the prompt's content does not matter here)."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [1000 + ord(c) % 1000 for c in text]
-
-
-@dataclass
-class Served:
-    url: str
-    port: int
-    runtime: Runtime
-    engine: ScriptedEngineDouble
-
-    def outcome(self, outcome: str) -> float:
-        value = self.runtime.metrics.registry.get_sample_value("orpheus_requests_total", {"outcome": outcome})
-        return value or 0.0
-
-
-@asynccontextmanager
-async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, **overrides):
-    """The real app over a real Runtime (engine double) under uvicorn, in this event loop."""
-    config = LlmServerConfig(host="127.0.0.1", port=0, snac=snac_server.address, **overrides)
-    engine = engine or ScriptedEngineDouble()
-    codec = CodecClient(codec_client_config(config))
-    metrics = LlmMetrics(engine.num_unfinished)
-    tokenizer = CharTokenizerDouble()
-    runtime = Runtime(config=config, engine=engine, codec=codec, tokenizer=tokenizer,
-                      pipeline=SpeechPipeline(engine, codec, tokenizer, config, metrics),
-                      admission=AdmissionController(config.max_streams), metrics=metrics)
-    app = create_app(config, runtime)
-    sock = socket.socket()
-    if sndbuf:  # inherited by accepted connections: a small send buffer, no autotuning
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    sock.setblocking(False)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    port = sock.getsockname()[1]
-    try:
-        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine)
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
-def _body(text: str = "Hello there.", **kw) -> dict:
-    return {"model": "tts-1", "input": text, "voice": "tara", "response_format": "pcm", **kw}
-
-
-def _pending_tasks() -> set[asyncio.Task]:
-    """Unfinished tasks of this loop, less the snac server's own (grpc.aio keeps spare call
-    tasks and the codec client's health watch there; its Decode streams are counted apart)."""
-    return {t for t in asyncio.all_tasks() if not t.done() and not _grpc_server_task(t)}
-
-
-def _grpc_server_task(task: asyncio.Task) -> bool:
-    frames = task.get_stack(limit=1)
-    return bool(frames) and "aio/server.pyx" in frames[0].f_code.co_filename
-
-
-async def _settled(served: Served, snac_server, baseline: set[asyncio.Task], within_s: float = 10.0) -> dict:
-    """Wait until nothing of any stream is held; returns the readings (all zero when settled)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        leaked = _pending_tasks() - baseline - {asyncio.current_task()}
-        readings = {
-            "admission": served.runtime.admission.active,
-            "per_key": sum(served.runtime.admission.active_per_key.values()),
-            "active_streams": served.runtime.metrics.registry.get_sample_value("orpheus_active_streams"),
-            "engine_generators": served.engine.live,
-            "codec_streams": snac_server.service.active,
-            "tasks": len(leaked),
-        }
-        if not any(readings.values()) or loop.time() > deadline:
-            if leaked:
-                readings["leaked"] = [repr(t.get_coro()) for t in leaked]
-            return readings
-        await asyncio.sleep(0.05)  # the server runs on this loop: let it work
-
-
-async def _baseline(served: Served, snac_server) -> set[asyncio.Task]:
-    """Tasks that belong to the server itself, taken after one short request warmed every channel up."""
-    frames, served.engine.frames = served.engine.frames, 8
-    try:
-        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
-            assert (await client.post("/v1/audio/speech", json=_body())).status_code == 200
-    finally:
-        served.engine.frames = frames
-    await asyncio.sleep(0.3)
-    return _pending_tasks()
-
-
-# --- raw HTTP over a socket we control (buffer sizes, when to read) ---------------------------
+from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline, body, serving, settled
 
 
 async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "") -> socket.socket:
@@ -253,11 +91,11 @@ def _dechunk(raw: bytes) -> tuple[bytes, bool]:
 async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_audio_short(snac_server, caplog):
     engine = ScriptedEngineDouble(frames=40)
     async with serving(snac_server, engine) as served:
-        baseline = await _baseline(served, snac_server)
+        quiet = await baseline(served, snac_server)
         engine.fail_after_frames = 12
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
             events = []
-            async with client.stream("POST", "/v1/audio/speech", json=_body(stream_format="sse")) as r:
+            async with client.stream("POST", "/v1/audio/speech", json=body(stream_format="sse")) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
@@ -271,7 +109,7 @@ async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_au
 
             received = b""
             with pytest.raises(httpx.RemoteProtocolError):  # the body ends without its last chunk
-                async with client.stream("POST", "/v1/audio/speech", json=_body()) as r:
+                async with client.stream("POST", "/v1/audio/speech", json=body()) as r:
                     assert r.status_code == 200
                     async for chunk in r.aiter_bytes():
                         received += chunk
@@ -279,10 +117,10 @@ async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_au
             assert 0 < len(received) < 40 * FRAME_BYTES
 
             engine.fail_after_frames = None
-            ok = await client.post("/v1/audio/speech", json=_body())
+            ok = await client.post("/v1/audio/speech", json=body())
             assert ok.status_code == 200 and len(ok.content) == 40 * FRAME_BYTES
         assert served.outcome("error") == 2
-        assert await _settled(served, snac_server, baseline) == dict.fromkeys(
+        assert await settled(served, snac_server, quiet) == dict.fromkeys(
             ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks"), 0)
     failures = [r for r in caplog.records if "scripted engine failure" in r.getMessage()]
     assert len(failures) == 2 and all(r.exc_info is None for r in failures), "one line per failure, no traceback"
@@ -297,13 +135,13 @@ async def test_random_disconnects_release_everything(snac_server):
     rng = random.Random(7)
     loop = asyncio.get_running_loop()
     async with serving(snac_server, engine) as served:
-        baseline = await _baseline(served, snac_server)
+        quiet = await baseline(served, snac_server)
 
         async def leave_while_reading(limit: int) -> None:
             # A raw socket, closed for sure once `limit` body bytes are in: httpx's pooled
             # connection stayed open after an early exit here (seen: server CLOSE-WAIT only
             # after a gc), which is a silent client, not a disconnect.
-            sock = await _open_raw(served.port, _body(response_format=rng.choice(["wav", "pcm"])))
+            sock = await _open_raw(served.port, body(response_format=rng.choice(["wav", "pcm"])))
             try:
                 head, got = await _read_head(sock)
                 assert head.startswith(b"HTTP/1.1 200"), head
@@ -318,7 +156,7 @@ async def test_random_disconnects_release_everything(snac_server):
         async def leave_before_headers(after_s: float) -> None:
             # A socket of our own, closed for sure: a cancelled httpx request can leave its
             # connection open (a silent client, not a disconnect).
-            sock = await _open_raw(served.port, _body())
+            sock = await _open_raw(served.port, body())
             await asyncio.sleep(after_s)
             sock.close()
 
@@ -330,11 +168,11 @@ async def test_random_disconnects_release_everything(snac_server):
                 else:
                     clients.append(leave_while_reading(rng.choice([1, 4096, 30_000, 100_000, 300_000])))
             await asyncio.gather(*clients)
-        readings = await _settled(served, snac_server, baseline, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
+        readings = await settled(served, snac_server, quiet, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
         assert readings == dict.fromkeys(readings, 0), readings
         assert served.runtime.admission.active == 0
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
-            assert len((await client.post("/v1/audio/speech", json=_body())).content) == 60 * FRAME_BYTES
+            assert len((await client.post("/v1/audio/speech", json=body())).content) == 60 * FRAME_BYTES
 
 
 # --- slow clients -----------------------------------------------------------------------------
@@ -344,8 +182,8 @@ async def test_a_client_that_stops_reading_is_cut_off_and_everything_released(sn
     frames = 1200  # 102 s of audio: far more than any buffer on the way holds
     engine = ScriptedEngineDouble(frames=frames, frames_per_batch=4)
     async with serving(snac_server, engine, sndbuf=16384, max_client_lag_s=1.0) as served:
-        baseline = await _baseline(served, snac_server)
-        sock = await _open_raw(served.port, _body(), rcvbuf=4096)
+        quiet = await baseline(served, snac_server)
+        sock = await _open_raw(served.port, body(), rcvbuf=4096)
         try:
             head, early = await _read_head(sock)
             assert head.startswith(b"HTTP/1.1 200")
@@ -354,10 +192,10 @@ async def test_a_client_that_stops_reading_is_cut_off_and_everything_released(sn
             while served.outcome("slow_client") < 1 and loop.time() < deadline:
                 await asyncio.sleep(0.1)  # not reading
             assert served.outcome("slow_client") == 1
-            readings = await _settled(served, snac_server, baseline)
+            readings = await settled(served, snac_server, quiet)
             assert readings == dict.fromkeys(readings, 0), readings
-            body, complete = _dechunk(early + await _read_to_end(sock))
-            assert not complete and len(body) < frames * FRAME_BYTES / 4, "the server closed the connection long before the end"
+            payload, complete = _dechunk(early + await _read_to_end(sock))
+            assert not complete and len(payload) < frames * FRAME_BYTES / 4, "the server closed the connection long before the end"
         finally:
             sock.close()
     assert any("client too slow" in r.getMessage() for r in caplog.records)
@@ -367,9 +205,9 @@ async def test_a_real_time_reader_is_never_cut_off(snac_server):
     frames = 100  # 8.5 s of audio, generated in well under a second
     engine = ScriptedEngineDouble(frames=frames, frames_per_batch=4)
     async with serving(snac_server, engine, sndbuf=16384, max_client_lag_s=1.5) as served:
-        await _baseline(served, snac_server)
+        await baseline(served, snac_server)
         loop = asyncio.get_running_loop()
-        sock = await _open_raw(served.port, _body(), rcvbuf=4096)
+        sock = await _open_raw(served.port, body(), rcvbuf=4096)
         try:
             head, raw = await _read_head(sock)
             assert head.startswith(b"HTTP/1.1 200")
@@ -386,8 +224,8 @@ async def test_a_real_time_reader_is_never_cut_off(snac_server):
             elapsed = loop.time() - started
         finally:
             sock.close()
-        body, _ = _dechunk(raw)
-        assert len(body) == frames * FRAME_BYTES
+        payload, _ = _dechunk(raw)
+        assert len(payload) == frames * FRAME_BYTES
         assert elapsed > 0.6 * frames * FRAME_BYTES / BYTES_PER_SECOND, "the reader, not generation, set the pace"
         assert served.outcome("slow_client") == 0 and served.outcome("ok") == 2
 
@@ -415,7 +253,7 @@ async def test_api_keys_per_key_caps_rotation_and_a_broken_reload(snac_server, t
     async with serving(snac_server, engine, api_keys_file=str(keys)) as served:
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
             for headers in ({}, _auth("nope-not-a-key"), {"Authorization": f"Basic {ALICE}"}):
-                r = await client.post("/v1/audio/speech", json=_body(), headers=headers)
+                r = await client.post("/v1/audio/speech", json=body(), headers=headers)
                 assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
                 assert r.json()["error"]["code"] == "invalid_api_key" and set(r.json()["error"]) == {"message", "type", "param", "code"}
             assert (await client.get("/v1/voices")).status_code == 401
@@ -424,12 +262,12 @@ async def test_api_keys_per_key_caps_rotation_and_a_broken_reload(snac_server, t
                 assert (await client.get(open_path)).status_code == 200
 
             # alice may hold one stream; a second is refused while bob still gets in
-            async with client.stream("POST", "/v1/audio/speech", json=_body(), headers=_auth(ALICE)) as held:
+            async with client.stream("POST", "/v1/audio/speech", json=body(), headers=_auth(ALICE)) as held:
                 assert held.status_code == 200
-                refused = await client.post("/v1/audio/speech", json=_body(), headers=_auth(ALICE))
+                refused = await client.post("/v1/audio/speech", json=body(), headers=_auth(ALICE))
                 assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
                 assert "'alice'" in refused.json()["error"]["message"] and "limit of 1" in refused.json()["error"]["message"]
-                async with client.stream("POST", "/v1/audio/speech", json=_body(), headers=_auth(BOB)) as other:
+                async with client.stream("POST", "/v1/audio/speech", json=body(), headers=_auth(BOB)) as other:
                     assert other.status_code == 200
             await _until(lambda: served.runtime.admission.active == 0)
             assert served.runtime.admission.active_per_key == {}
@@ -483,15 +321,15 @@ async def test_request_ids_on_every_response_and_log_line_and_no_input_text(snac
     caplog.handler.addFilter(RequestIdFilter())
     async with serving(snac_server, max_streams=1) as served:
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
-            ok = await client.post("/v1/audio/speech", json=_body(SECRET_TEXT), headers={"X-Request-Id": "call-42.a_B"})
+            ok = await client.post("/v1/audio/speech", json=body(SECRET_TEXT), headers={"X-Request-Id": "call-42.a_B"})
             assert ok.status_code == 200 and ok.headers["x-request-id"] == "call-42.a_B"
-            generated = await client.post("/v1/audio/speech", json=_body(SECRET_TEXT))
+            generated = await client.post("/v1/audio/speech", json=body(SECRET_TEXT))
             assert len(generated.headers["x-request-id"]) == 32
             for unsafe in ("has space", "x" * 65, "semi;colon", "<script>"):
                 r = await client.get("/health", headers={"X-Request-Id": unsafe})
                 assert r.headers["x-request-id"] != unsafe and len(r.headers["x-request-id"]) == 32
             errors = [
-                await client.post("/v1/audio/speech", json=_body(voice="bob")),
+                await client.post("/v1/audio/speech", json=body(voice="bob")),
                 await client.post("/v1/audio/speech", json={"model": "gpt-9", "input": "hi"}),
                 await client.post("/v1/audio/speech", content=b"{nope", headers={"content-type": "application/json"}),
                 await client.post("/v1/audio/speech", content=b"x" * 70_000, headers={"content-type": "application/json"}),
@@ -499,12 +337,12 @@ async def test_request_ids_on_every_response_and_log_line_and_no_input_text(snac
             ]
             assert [r.status_code for r in errors] == [400, 404, 400, 413, 404]
             assert all(len(r.headers["x-request-id"]) == 32 for r in errors)
-            async with client.stream("POST", "/v1/audio/speech", json=_body()) as held:
-                busy = await client.post("/v1/audio/speech", json=_body(), headers={"X-Request-Id": "busy-1"})
+            async with client.stream("POST", "/v1/audio/speech", json=body()) as held:
+                busy = await client.post("/v1/audio/speech", json=body(), headers={"X-Request-Id": "busy-1"})
                 assert busy.status_code == 429 and busy.headers["x-request-id"] == "busy-1"
                 await held.aread()
     mine = [r for r in caplog.records if getattr(r, "request_id", None) == "call-42.a_B"]
-    assert any(r.name == "llm_server.api" and "speech:" in r.getMessage() for r in mine)
+    assert any(r.name == "llm_server.openai_speech" and "speech:" in r.getMessage() for r in mine)
     assert any(r.name == "uvicorn.access" for r in mine), "the server's access line carries the id too"
     assert SECRET_TEXT not in caplog.text and "Zebra" not in caplog.text
 
@@ -512,5 +350,5 @@ async def test_request_ids_on_every_response_and_log_line_and_no_input_text(snac
 async def test_input_text_is_logged_only_when_asked(snac_server, caplog):
     caplog.set_level(logging.INFO)
     async with serving(snac_server, log_input_text=True) as served, httpx.AsyncClient(base_url=served.url) as client:
-        assert (await client.post("/v1/audio/speech", json=_body(SECRET_TEXT), timeout=30)).status_code == 200
+        assert (await client.post("/v1/audio/speech", json=body(SECRET_TEXT), timeout=30)).status_code == 200
     assert SECRET_TEXT in caplog.text

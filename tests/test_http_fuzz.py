@@ -13,6 +13,9 @@ import socket
 import time
 
 import httpx
+
+from llm_server.encoding import SAMPLE_RATES
+from llm_server.openai_speech import FORMATS, STREAM_FORMATS
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -83,8 +86,9 @@ def tighten(raw: dict, stack) -> None:
     props = raw["components"]["schemas"]["SpeechBody"]["properties"]
     props["model"]["enum"] = models
     props["voice"]["enum"] = [v["id"] for v in voices["voices"]] + list(voices["aliases"])
-    props["response_format"]["enum"] = ["wav", "pcm"]
-    props["stream_format"]["enum"] = ["audio", "sse"]
+    props["response_format"]["enum"] = list(FORMATS)
+    props["stream_format"]["enum"] = list(STREAM_FORMATS)
+    props["sample_rate"]["enum"] = list(SAMPLE_RATES)
     props["speed"]["enum"] = [1.0]
     props["input"]["maxLength"] = 20  # short accepted inputs: the fuzz budget is requests, not audio
 

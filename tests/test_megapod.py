@@ -87,7 +87,7 @@ async def test_concurrent_streams_spread_over_both_workers(megapod):
             return r.headers["x-megapod-worker"], await r.read()
 
     async def raw(http, i):
-        r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Raw request {i}.", "voice": "tara"})
+        r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Raw request {i}.", "voice": "tara", "response_format": "wav"})
         assert r.status_code == 200, r.text
         return r.headers["x-megapod-worker"], r.content
 
@@ -104,7 +104,7 @@ async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
     victims = [int(m) for m in re.findall(r"started snac-0 \(pid (\d+)\)", megapod["log"].read_text())]
 
     async def stream(http, i):
-        r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Keep talking through the failure, stream {i}.", "voice": "leo"})
+        r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Keep talking through the failure, stream {i}.", "voice": "leo", "response_format": "wav"})
         assert r.status_code == 200, r.text
         return _wav_samples(r.content)
 
@@ -121,6 +121,17 @@ async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
         assert time.monotonic() < deadline, "the dead replica was not restarted"
         await asyncio.sleep(1)
     assert "snac-0 (pid %d) died with exit code -9; restarting it" % victims[-1] in megapod["log"].read_text()
+
+
+def test_children_share_the_launchers_session_in_groups_of_their_own(megapod):
+    """Own process groups keep the terminal's Ctrl-C away from them; one session keeps them in one
+    scheduler autogroup (a replica in a session of its own starved beside a CPU worker)."""
+    children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", megapod["log"].read_text())]
+    live = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert live
+    for pid in live:
+        assert os.getsid(pid) == os.getsid(megapod["proc"].pid)
+        assert os.getpgid(pid) == pid != os.getpgid(megapod["proc"].pid)
 
 
 def test_ctrl_c_stops_everything_within_20_s(megapod):

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llm_server.prompt import TOKENS_PER_SECOND, split_sentences, token_budget
+from llm_server.prompt import TOKENS_PER_SECOND, TextSegmenter, split_sentences, token_budget
 
 
 def test_sentences_split_and_short_ones_join():
@@ -31,3 +31,41 @@ def test_budget_covers_slow_speech_in_whole_frames():
     assert (short - 1) % 7 == 0 and (long - 1) % 7 == 0
     assert long / TOKENS_PER_SECOND > 1000 / 10  # at least 10 characters per second of audio
     assert short < long
+
+
+def _segments(pieces, max_chars=280):
+    segmenter, out = TextSegmenter(max_chars), []
+    for piece in pieces:
+        out += segmenter.push(piece)
+    return out, segmenter
+
+
+def test_streamed_words_become_sentences_as_soon_as_each_ends():
+    out, segmenter = _segments(["Hello ", "there. ", "How ", "are ", "you"])
+    assert out == ["Hello there."] and segmenter.pending.strip() == "How are you"
+    assert segmenter.flush() == ["How are you"] and segmenter.flush() == []
+
+
+def test_whole_sentences_without_trailing_spaces_each_end_one():
+    """Pipecat streams sentences to Cartesia as 'Hello there.' then 'How are you?': no space between."""
+    out, _ = _segments(["Hello there.", "How are you?"])
+    assert out == ["Hello there.", "How are you?"]
+
+
+def test_numbers_and_tokens_do_not_end_sentences():
+    out, segmenter = _segments(["It costs 3", ".", "5 dollars", " today"])
+    assert out == [] and segmenter.flush() == ["It costs 3.5 dollars today"]
+
+
+def test_a_long_sentence_starts_at_its_last_clause_mark():
+    out, segmenter = _segments(["one two three four, five six seven eight, nine ten"], max_chars=48)
+    assert out == ["one two three four, five six seven eight,"]
+    assert segmenter.flush() == ["nine ten"]
+
+
+@given(st.lists(st.text(alphabet=st.sampled_from("ab .!?,'"), max_size=30), max_size=20), st.integers(16, 80))
+def test_streamed_text_loses_nothing_and_every_segment_fits(pieces, max_chars):
+    out, segmenter = _segments(pieces, max_chars)
+    out += segmenter.flush()
+    assert all(0 < len(p) <= max_chars for p in out)
+    assert "".join(out).replace(" ", "") == "".join("".join(pieces).split())

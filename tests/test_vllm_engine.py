@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-import torch
 
 from llm_server.audio_tokens import frame_violations
 from llm_server.config import LlmServerConfig
@@ -115,9 +114,10 @@ class RecordingEngine:
 async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, snac_server):
     from transformers import AutoTokenizer
 
-    from llm_server.codec_client import CodecClient, CodecClientConfig
+    from llm_server.codec_client import AudioChunk, CodecClient, CodecClientConfig
     from llm_server.metrics import LlmMetrics
-    from llm_server.speech import SpeechJob, SpeechPipeline
+    from llm_server.prompt import split_sentences
+    from llm_server.speech import SegmentEnd, SpeechJob, SpeechPipeline
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))
     config = LlmServerConfig(cache_dir=TINY_CACHE, max_segment_chars=24, max_model_len=1024)
@@ -125,9 +125,16 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     codec = CodecClient(CodecClientConfig(addresses=snac_server.address))
     pipeline = SpeechPipeline(recorder, codec, tokenizer, config, LlmMetrics(engine.num_unfinished))
     text = "First one here. Then the second. And a third at last."
-    stream = pipeline.start(SpeechJob("long-1", text, "tara", seed=3))
-    pcm = b"".join([chunk async for chunk in stream])
+    stream = pipeline.start(SpeechJob("long-1", "tara", seed=3))
+    for segment in split_sentences(text, config.max_segment_chars):
+        stream.add(segment)
+    stream.end()
+    items = [item async for item in stream.audio()]
     await codec.close()
+    pcm = b"".join(item.pcm for item in items if isinstance(item, AudioChunk))
+    ends = [item for item in items if isinstance(item, SegmentEnd)]
+    assert [e.text for e in ends] == ["First one here.", "Then the second.", "And a third at last."]
+    assert sum(e.samples for e in ends) * 2 == len(pcm), "each segment's audio, then its end"
     spoken = [tokenizer.decode(p[2:-4]) for p in recorder.prompts]
     assert spoken == ["tara: First one here.", "tara: Then the second.", "tara: And a third at last."]
     assert len(pcm) > 0 and len(pcm) % (2048 * 2) == 0

@@ -2,7 +2,7 @@
 
 The stack is the product's own launcher, started as a process with the flags given: what is
 measured is exactly what `megapod up` runs. Its processes are found through psutil's process
-tree (the launcher's children run in sessions of their own), both to account their CPU and to
+tree (the launcher starts its children in process groups of their own), both to account their CPU and to
 make sure none is left behind.
 """
 
@@ -121,8 +121,8 @@ class LocalStack:
                     texts = [(await client.get(u)).text for u in urls]
                 except httpx.HTTPError:
                     texts = None
-                if texts is not None and all(_gauge(t, "orpheus_active_streams") == 0
-                                             and _gauge(t, "orpheus_engine_unfinished_requests") == 0 for t in texts):
+                if texts is not None and all(gauge(t, "orpheus_active_streams") == 0
+                                             and gauge(t, "orpheus_engine_unfinished_requests") == 0 for t in texts):
                     break
                 await asyncio.sleep(0.25)
         return time.perf_counter() - t0
@@ -179,7 +179,7 @@ class LocalStack:
         return "\n".join(out)
 
 
-def _gauge(text: str, name: str) -> float:
+def gauge(text: str, name: str) -> float:
     """Sum of a metric's samples in a Prometheus text page (nan when absent or not a metrics page)."""
     try:
         values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]

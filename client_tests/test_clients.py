@@ -1,0 +1,191 @@
+"""The voice-agent frameworks' own TTS clients, unchanged, pointed at a running MegaPod by base URL.
+
+Runs in .venv-clients (client_tests/requirements.txt), driven by tests/test_voice_agent_clients.py,
+which starts `megapod up` and passes its addresses: MEGAPOD_URL (the front, what an agent is pointed
+at), MEGAPOD_WORKER_METRICS and MEGAPOD_SNAC_METRICS (the workers' and codec replicas' /metrics). Each test checks the audio it received (a whole number of
+2048-sample frames at 24 kHz, or the decoded length of an encoded format) and, for WebSockets,
+that a cancel mid-stream frees the engine request and the codec stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+URL = os.environ.get("MEGAPOD_URL", "http://127.0.0.1:8000")
+HOST = URL.split("://", 1)[1]
+WORKER_METRICS = [u for u in os.environ.get("MEGAPOD_WORKER_METRICS", f"{URL}/metrics").split(",") if u]
+SNAC_METRICS = [u for u in os.environ.get("MEGAPOD_SNAC_METRICS", "").split(",") if u]
+FRAME = 2048
+TEXT = "Hello there, this is the MegaPod speaking."
+LONG = " ".join(f"This is sentence number {i} of a long answer that the user will talk over." for i in range(12))
+MP3_PRIMING = 1105 + 576  # LAME's delay and a frame of padding, in samples
+
+
+def gauge(url: str, name: str, labels: str = "") -> float:
+    """A metric's value from a /metrics page: summed over its label sets, or the one `labels` names."""
+    text = httpx.get(url, timeout=10).text
+    pattern = rf"^{re.escape(name + labels)} (\S+)$" if labels else rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def held() -> dict[str, float]:
+    """What the worker and the codec replicas still hold."""
+    out = {name: sum(gauge(u, name) for u in WORKER_METRICS)
+           for name in ("orpheus_active_streams", "orpheus_engine_unfinished_requests")}
+    out["snac_active_streams"] = sum(gauge(u, "snac_active_streams") for u in SNAC_METRICS)
+    return out
+
+
+async def nothing_held(within_s: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + within_s
+    while any((readings := held()).values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return readings
+
+
+def cancelled() -> float:
+    return sum(gauge(u, "orpheus_requests_total", '{outcome="cancelled"}') for u in WORKER_METRICS)
+
+
+def whole_frames(samples: int) -> bool:
+    return samples > 0 and samples % FRAME == 0
+
+
+# ---------------------------------------------------------------------------------------- Pipecat
+
+pipecat = pytest.importorskip("pipecat")
+from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame  # noqa: E402
+from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
+from pipecat.processors.frame_processor import FrameProcessor  # noqa: E402
+from pipecat.services.cartesia.tts import CartesiaTTSService  # noqa: E402
+from pipecat.services.deepgram.tts import DeepgramTTSService  # noqa: E402
+from pipecat.services.openai.tts import OpenAITTSService  # noqa: E402
+from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
+
+PIPECAT = {
+    "cartesia": lambda: CartesiaTTSService(api_key="unused", url=f"ws://{HOST}/tts/websocket",
+                                           settings=CartesiaTTSService.Settings(voice="tara"), stop_frame_timeout_s=60.0),
+    "deepgram": lambda: DeepgramTTSService(api_key="unused", base_url=f"ws://{HOST}",
+                                           settings=DeepgramTTSService.Settings(voice="tara"), stop_frame_timeout_s=60.0),
+    "openai": lambda: OpenAITTSService(api_key="unused", base_url=f"{URL}/v1",
+                                       settings=OpenAITTSService.Settings(voice="alloy"), stop_frame_timeout_s=60.0),
+}
+
+
+@pytest.mark.parametrize("service", list(PIPECAT))
+async def test_pipecat_service_speaks(service):
+    down, up = await run_test(PIPECAT[service](), frames_to_send=[TTSSpeakFrame(text=TEXT), SleepFrame(sleep=1.0)])
+    assert not [f for f in down + up if isinstance(f, ErrorFrame)]
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == 24000 and f.num_channels == 1 for f in audio)
+    assert whole_frames(sum(len(f.audio) for f in audio) // 2)
+
+
+class BargeIn(FrameProcessor):
+    """The user, as a voice agent's VAD reports them: speaks over the bot at its first audio."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heard = False
+
+    async def process_frame(self, frame, direction):
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        if isinstance(frame, TTSAudioRawFrame) and not self.heard:
+            self.heard = True
+            await self.broadcast_interruption()  # reaches the TTS service upstream, as a real barge-in does
+
+
+@pytest.mark.parametrize("service", ["cartesia", "deepgram"])
+async def test_pipecat_interruption_frees_the_engine_and_codec(service):
+    before = cancelled()
+    barge_in = BargeIn()
+    # The sleep only bounds the wait for the first audio (about a second on the 2-core CPU stack);
+    # the barge-in itself is event-driven.
+    await run_test(Pipeline([PIPECAT[service](), barge_in]), frames_to_send=[TTSSpeakFrame(text=LONG), SleepFrame(sleep=15.0)])
+    assert barge_in.heard, "audio was playing when the user spoke"
+    assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
+                                    "snac_active_streams": 0}
+    assert cancelled() > before, "the server saw the barge-in (cancel / Clear)"
+
+
+# ---------------------------------------------------------------------------------------- LiveKit
+
+from livekit.plugins import cartesia as lk_cartesia  # noqa: E402
+from livekit.plugins import deepgram as lk_deepgram  # noqa: E402
+from livekit.plugins import openai as lk_openai  # noqa: E402
+
+
+def livekit(name: str, session: aiohttp.ClientSession, **kw):
+    if name == "cartesia":
+        return lk_cartesia.TTS(api_key="unused", base_url=URL, voice="tara", http_session=session, **kw)
+    if name == "deepgram":
+        return lk_deepgram.TTS(api_key="unused", base_url=f"{URL}/v1/speak", model="tara", http_session=session, **kw)
+    return lk_openai.TTS(api_key="unused", base_url=f"{URL}/v1", voice="alloy", **kw)
+
+
+def samples_of(events) -> int:
+    """Samples the server sent. LiveKit ends a segment with a marker of its own, a final 10 ms frame of
+    zeros (livekit/agents/tts/tts.py, "a tiny empty marker"): not audio from the server."""
+    return sum(ev.frame.samples_per_channel for ev in events if not _marker(ev))
+
+
+def _marker(ev) -> bool:
+    frame = ev.frame
+    return ev.is_final and frame.samples_per_channel == frame.sample_rate // 100 and not any(bytes(frame.data))
+
+
+@pytest.mark.parametrize("name", ["cartesia", "deepgram"])
+async def test_livekit_synthesize_and_stream(name):
+    async with aiohttp.ClientSession() as session:
+        tts = livekit(name, session)
+        synthesized = [ev async for ev in tts.synthesize(TEXT)]  # HTTP: /tts/bytes, POST /v1/speak
+        async with tts.stream() as stream:  # the WebSocket
+            stream.push_text(TEXT)
+            stream.flush()
+            stream.end_input()
+            streamed = [ev async for ev in stream]
+        await tts.aclose()
+    for events in (synthesized, streamed):
+        assert events and all(ev.frame.sample_rate == 24000 and ev.frame.num_channels == 1 for ev in events)
+        assert whole_frames(samples_of(events))
+
+
+@pytest.mark.parametrize("model, response_format", [
+    ("gpt-4o-mini-tts", "mp3"),  # the plugin's defaults: mp3 over server-sent events
+    ("tts-1", "mp3"),  # a plain streamed body
+    ("gpt-4o-mini-tts", "pcm"),
+])
+async def test_livekit_openai_in_its_default_mp3_and_its_sse_mode(model, response_format):
+    tts = livekit("openai", None, model=model, response_format=response_format)
+    async with tts.synthesize(TEXT) as stream:
+        events = [ev async for ev in stream]
+    await tts.aclose()
+    samples = samples_of(events)
+    assert events and all(ev.frame.sample_rate == 24000 for ev in events)
+    if response_format == "pcm":
+        assert whole_frames(samples)
+    else:  # the decoded mp3: a whole number of frames plus the encoder's priming
+        assert samples > 0 and samples % FRAME <= MP3_PRIMING or samples % FRAME >= FRAME - 2, samples
+
+
+@pytest.mark.parametrize("name", ["cartesia", "deepgram"])
+async def test_livekit_stream_closed_mid_speech_frees_the_engine_and_codec(name):
+    async with aiohttp.ClientSession() as session:
+        tts = livekit(name, session)
+        stream = tts.stream()
+        stream.push_text(LONG)
+        stream.flush()
+        async for _ in stream:  # the first audio: the answer is being spoken
+            break
+        await stream.aclose()  # the agent stops speaking (LiveKit sends no cancel; it drops the socket)
+        await tts.aclose()
+    assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
+                                    "snac_active_streams": 0}

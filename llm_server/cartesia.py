@@ -1,0 +1,269 @@
+"""Cartesia's TTS protocol, so Pipecat's CartesiaTTSService and LiveKit's cartesia.TTS work unchanged.
+
+WebSocket /tts/websocket: each context is its own SpeechSession (admitted on its own), fed the
+context's transcripts as they come and ended by `continue: false`; several contexts may be open on
+one socket, each with its own audio. Messages in: `{transcript, continue, context_id, model_id,
+voice: {mode: "id", id}, output_format: {container: "raw", encoding, sample_rate}, add_timestamps,
+max_buffer_delay_ms, generation_config, flush}` and `{context_id, cancel: true}`. Out, every one with
+its context_id: `chunk` (base64 audio), `timestamps` (word_timestamps, a proportional approximation),
+`flush_done` (with `flush_id`, counting from 1) after the audio of the text a `flush: true` spoke,
+`done` after a context's last chunk, `error` (never with `done: true`: LiveKit would take it for the
+end). POST /tts/bytes speaks one transcript and streams the bytes (raw, wav or mp3).
+
+Not supported: voice embeddings (refused), `generation_config` speed other than 1 (refused),
+emotion, volume and language (ignored: Orpheus takes inline tags such as <laugh>).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import random
+import time
+import uuid
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import StreamingResponse
+
+from codec_contract.audio import SAMPLE_RATE
+
+from .encoding import AudioOutput, UnsupportedOutput
+from .errors import ApiError
+from .openai_speech import check_text, refused_error, trim_of
+from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec, Words
+from .speech import SegmentEnd
+from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
+
+log = logging.getLogger(__name__)
+
+ENCODINGS = {"pcm_s16le": "pcm", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
+DEFAULT_BUFFER_DELAY_MS = 3000  # Cartesia's default wait for more text before speaking a fragment
+router = APIRouter()
+
+
+class Refusal(ValueError):
+    """A message the protocol refuses, with the status code its error carries."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def spec_of(message: dict, runtime, containers: tuple[str, ...] = ("raw",)) -> SpeechSpec:
+    """How to speak a context, from its first message; Refusal for what this server cannot do."""
+    voice = message.get("voice") or {}
+    if not isinstance(voice, dict) or voice.get("mode", "id") != "id":
+        raise Refusal(400, "only voices by id are supported (voice: {mode: 'id', id: 'tara'}), not embeddings")
+    name, known = voice_for(runtime.config, voice.get("id") if isinstance(voice.get("id"), str) else None)
+    if not known:
+        log.info("cartesia voice %r is not an Orpheus voice: speaking as %s", voice.get("id"), name)
+    speed = (message.get("generation_config") or {}).get("speed")
+    if speed not in (None, 1, 1.0):
+        raise Refusal(400, "speed other than 1 is not supported: Orpheus speaks at its own pace")
+    fmt = message.get("output_format") or {}
+    container, encoding = fmt.get("container", "raw"), fmt.get("encoding", "pcm_s16le")
+    if container not in containers:
+        raise Refusal(400, f"output_format.container {container!r} is not one of {list(containers)}")
+    if container == "raw" and encoding not in ENCODINGS:
+        raise Refusal(400, f"output_format.encoding {encoding!r} is not one of {sorted(ENCODINGS)}")
+    try:
+        output = AudioOutput(ENCODINGS[encoding] if container == "raw" else container, int(fmt.get("sample_rate", SAMPLE_RATE)))
+    except (UnsupportedOutput, TypeError, ValueError) as exc:
+        raise Refusal(400, f"output_format: {exc}") from None
+    return SpeechSpec(name, random.getrandbits(31), output, trim_of(runtime.config))
+
+
+class _Context:
+    """One context of a socket: its session, the task sending its audio, and its text timer."""
+
+    def __init__(self, context_id: str, session: SpeechSession, timestamps: bool, delay_ms: int) -> None:
+        self.id, self.session, self.timestamps, self.delay_ms = context_id, session, timestamps, delay_ms
+        self.flushes: list[tuple[int, int]] = []  # (flush_id, the last segment it spoke), answered in order
+        self.flush_ids = 0
+        self.segments_done = 0
+        self.sender: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.text_chars = 0
+        self.ended = False
+
+
+class CartesiaSocket:
+    """One client socket: its contexts, and the loop reading its messages."""
+
+    def __init__(self, ws: WebSocket, runtime, key) -> None:
+        self.ws, self.runtime, self.key = ws, runtime, key
+        self.out = SocketWriter(ws)
+        self.contexts: dict[str, _Context] = {}
+
+    async def run(self) -> None:
+        try:
+            async for text in client_messages(self.ws, self.out):
+                if text is None:
+                    await self._error(None, 400, "binary frames are not part of this protocol: send JSON text")
+                    continue
+                try:
+                    await self._handle(parse_message(text))
+                except Refusal as exc:
+                    await self._error(exc.context_id, exc.status, str(exc))  # type: ignore[attr-defined]
+                except ValueError as exc:  # not JSON, not an object, too long
+                    await self._error(None, 400, f"malformed message: {exc}")
+        finally:
+            for context in list(self.contexts.values()):
+                await self._finish(context, "disconnected")
+
+    async def _handle(self, message: dict) -> None:
+        context_id = message.get("context_id")
+        if context_id is not None and not isinstance(context_id, str):
+            raise _refusal(None, 400, "context_id must be a string")
+        if message.get("cancel"):
+            context = self.contexts.get(context_id)
+            if context is not None:  # barge-in: audio stops now, engine and codec go at once
+                await self._finish(context, "cancelled")
+            return
+        transcript = message.get("transcript")
+        if not isinstance(transcript, str):
+            raise _refusal(context_id, 400, "a message needs a transcript (a string), or cancel: true")
+        context_id = context_id or f"ctx-{uuid.uuid4().hex[:12]}"
+        context = self.contexts.get(context_id) or await self._open(context_id, message)
+        if context is None:
+            return
+        if context.ended:
+            raise _refusal(context_id, 400, f"context {context_id} has ended (continue: false was sent)")
+        context.text_chars += len(transcript)
+        if context.text_chars > self.runtime.config.max_input_chars:
+            raise _refusal(context_id, 400, f"context {context_id} is over {self.runtime.config.max_input_chars} characters")
+        self._feed(context, transcript, more=bool(message.get("continue", False)))
+        if message.get("flush") is True:
+            await self._flush(context)
+
+    async def _open(self, context_id: str, message: dict) -> _Context | None:
+        if len(self.contexts) >= MAX_CONTEXTS:
+            raise _refusal(context_id, 429, f"this socket already has {MAX_CONTEXTS} open contexts")
+        try:
+            spec = spec_of(message, self.runtime)
+            session = SpeechSession.open(self.runtime, spec, self.key, f"cartesia-{context_id[:48]}-{uuid.uuid4().hex[:8]}")
+        except Refusal as exc:
+            raise _refusal(context_id, exc.status, str(exc)) from None
+        except Refused as exc:
+            raise _refusal(context_id, 429, str(exc)) from None
+        delay = message.get("max_buffer_delay_ms")
+        delay = DEFAULT_BUFFER_DELAY_MS if not isinstance(delay, int) or delay < 0 else delay
+        context = _Context(context_id, session, bool(message.get("add_timestamps")), delay)
+        self.contexts[context_id] = context
+        context.sender = asyncio.create_task(self._pump(context))
+        return context
+
+    def _feed(self, context: _Context, text: str, more: bool) -> None:
+        """Text for a context: spoken at sentence ends, at once when the client asked for no buffering,
+        or after max_buffer_delay_ms without more; everything when the context ends."""
+        session = context.session
+        session.push(text)
+        if context.timer is not None:
+            context.timer.cancel()
+            context.timer = None
+        if not more:
+            context.ended = True
+            session.end_input()
+        elif context.delay_ms == 0:
+            session.flush()
+        elif session.pending_text.strip():
+            context.timer = asyncio.get_running_loop().call_later(context.delay_ms / 1000, session.flush)
+
+    async def _flush(self, context: _Context) -> None:
+        """Speak what is buffered now; `flush_done` follows the audio of everything sent before it."""
+        context.session.flush()
+        context.flush_ids += 1
+        context.flushes.append((context.flush_ids, context.session.segments - 1))
+        await self._answer_flushes(context)
+
+    async def _answer_flushes(self, context: _Context) -> None:
+        while context.flushes and context.flushes[0][1] < context.segments_done:
+            flush_id, _ = context.flushes.pop(0)
+            await self.out.json({"type": "flush_done", "context_id": context.id, "flush_id": flush_id,
+                                 "flush_done": True, "done": False, "status_code": 206})
+
+    async def _pump(self, context: _Context) -> None:
+        """A context's audio, timestamps and done, in order; its end, however it comes."""
+        cid, session = context.id, context.session
+        try:
+            async for item in session.events():
+                if isinstance(item, Audio):
+                    started = time.perf_counter()
+                    message = {"type": "chunk", "data": base64.b64encode(item.data).decode(), "done": False,
+                               "status_code": 206, "context_id": cid}
+                    await session.send(lambda: self.out.json({**message, "step_time": round(1000 * (time.perf_counter() - started), 3)}),
+                                       item.seconds)
+                elif isinstance(item, Words) and context.timestamps and item.words:
+                    await self.out.json({"type": "timestamps", "context_id": cid, "status_code": 206, "done": False,
+                                         "word_timestamps": {"words": item.words, "start": item.starts, "end": item.ends}})
+                elif isinstance(item, SegmentEnd):
+                    context.segments_done = item.index + 1
+                    await self._answer_flushes(context)
+            await self.out.json({"type": "done", "done": True, "status_code": 206, "context_id": cid})
+        except ClientTooSlow:
+            await self.out.close(1008, "client too slow: too far behind real time")
+        except SocketGone:
+            session.cancel("disconnected")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if session.failed(exc):
+                await self._error(cid, 500, f"speech generation failed: {exc}")
+        finally:
+            if self.contexts.get(cid) is context:
+                del self.contexts[cid]
+            await session.close()
+
+    async def _finish(self, context: _Context, outcome: str) -> None:
+        """Stop a context now and release everything it holds."""
+        self.contexts.pop(context.id, None)
+        if context.timer is not None:
+            context.timer.cancel()
+        context.session.cancel(outcome)
+        if context.sender is not None:
+            context.sender.cancel()
+            await asyncio.gather(context.sender, return_exceptions=True)
+        await context.session.close()
+
+    async def _error(self, context_id: str | None, status: int, text: str) -> None:
+        await self.out.tell({"type": "error", "context_id": context_id, "status_code": status, "done": False,
+                             "error": text})
+
+
+def _refusal(context_id: str | None, status: int, text: str) -> Refusal:
+    refusal = Refusal(status, text)
+    refusal.context_id = context_id  # type: ignore[attr-defined]
+    return refusal
+
+
+@router.websocket("/tts/websocket")
+async def cartesia_websocket(ws: WebSocket) -> None:
+    runtime = ws.app.state.runtime
+    if await refuse_when_full(ws, runtime):
+        return
+    await ws.accept()
+    await CartesiaSocket(ws, runtime, ws.scope.get("state", {}).get("api_key")).run()
+
+
+@router.post("/tts/bytes")
+async def cartesia_bytes(request: Request) -> StreamingResponse:
+    """One transcript, its audio streamed as the bytes come (raw, wav or mp3)."""
+    runtime = request.app.state.runtime
+    try:
+        message = await request.json()
+    except ValueError:
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(message, dict) or not isinstance(message.get("transcript"), str):
+        raise ApiError(400, "the body needs a transcript (a string)", "transcript")
+    check_text(message["transcript"], runtime.config, "transcript")
+    try:
+        spec = spec_of(message, runtime, containers=("raw", "wav", "mp3"))
+    except Refusal as exc:
+        raise ApiError(exc.status, str(exc), "output_format") from None
+    try:
+        session = SpeechSession.open(runtime, spec, getattr(request.state, "api_key", None), f"cartesia-bytes-{uuid.uuid4().hex[:16]}")
+    except Refused as exc:
+        raise refused_error(exc) from None
+    session.say(message["transcript"])
+    return StreamingResponse(session.encoded_bytes(), media_type=spec.output.media_type)

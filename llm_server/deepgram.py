@@ -1,0 +1,245 @@
+"""Deepgram's TTS protocol, so Pipecat's DeepgramTTSService and LiveKit's deepgram.TTS work unchanged.
+
+WebSocket /v1/speak?model=&encoding=&sample_rate=: `Speak {text}` adds text (LiveKit sends one word
+per Speak: this server's sentence buffering is what makes that sound right; speaking starts at each
+sentence end, without waiting for a Flush), `Flush` speaks the rest and answers `Flushed` after that
+audio, `Clear` stops the audio at once (barge-in) and answers `Cleared`, `Close` stops and closes
+(clients send it as they leave: LiveKit waits a second for the socket to close, Pipecat not at all). Audio goes out as binary frames. The text between two flushes is one
+SpeechSession (admitted on its own), and sessions play in order. `Metadata` opens the socket;
+`Warning` says what was accepted with a change (another vendor's voice name); `Error` refuses.
+POST /v1/speak speaks `{"text"}` and streams the bytes.
+
+Not supported: `speed` other than 1 (refused), Deepgram's own voices (their names get the default
+Orpheus voice, with a Warning).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import StreamingResponse
+
+from codec_contract.audio import SAMPLE_RATE
+
+from .encoding import AudioOutput, UnsupportedOutput
+from .errors import ApiError
+from .openai_speech import check_text, refused_error, trim_of
+from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
+from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
+
+log = logging.getLogger(__name__)
+
+# encoding (and HTTP container) -> our output format
+SOCKET_ENCODINGS = {"linear16": "pcm", "mulaw": "mulaw", "alaw": "alaw"}
+HTTP_ENCODINGS = {**SOCKET_ENCODINGS, "mp3": "mp3", "opus": "opus", "flac": "flac", "aac": "aac"}
+router = APIRouter()
+
+
+class BadQuery(ValueError):
+    """A query parameter this server cannot serve."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a socket or request asked for in its query, resolved."""
+
+    voice: str
+    output: AudioOutput
+    warning: str | None  # said in a Warning message (the socket) or logged (HTTP)
+
+
+def settings_of(query, config, encodings: dict[str, str]) -> Settings:
+    model = query.get("model")
+    voice, known = voice_for(config, model)
+    warning = None if known or not model else f"{model!r} is not an Orpheus voice: speaking as {voice}"
+    speed = query.get("speed")
+    if speed is not None and speed not in ("1", "1.0"):
+        raise BadQuery("speed other than 1 is not supported: Orpheus speaks at its own pace")
+    encoding = query.get("encoding", "linear16")
+    if encoding not in encodings:
+        raise BadQuery(f"encoding {encoding!r} is not one of {sorted(encodings)}")
+    fmt = "wav" if encoding == "linear16" and query.get("container") == "wav" else encodings[encoding]
+    try:
+        return Settings(voice, AudioOutput(fmt, int(query.get("sample_rate", SAMPLE_RATE))), warning)
+    except (UnsupportedOutput, ValueError) as exc:
+        raise BadQuery(str(exc)) from None
+
+
+class DeepgramSocket:
+    """One client socket: the flush groups it sent, played in order by one sender task."""
+
+    def __init__(self, ws: WebSocket, runtime, key, settings: Settings) -> None:
+        self.ws, self.runtime, self.key, self.settings = ws, runtime, key, settings
+        self.out = SocketWriter(ws)
+        self.current: SpeechSession | None = None  # the group receiving Speak text
+        self.groups: asyncio.Queue[SpeechSession | None] = asyncio.Queue()
+        self.live: list[SpeechSession] = []  # every group not yet played out
+        self.current_chars = 0
+        self.flushes = self.played = 0
+        self.sender = asyncio.create_task(self._play())
+
+    async def run(self) -> None:
+        request_id = uuid.uuid4().hex
+        await self.out.tell({"type": "Metadata", "request_id": request_id, "model_name": self.settings.voice,
+                             "model_version": "orpheus", "model_uuid": request_id})
+        if self.settings.warning:
+            await self._warning("VOICE_SUBSTITUTED", self.settings.warning)
+        try:
+            async for text in client_messages(self.ws, self.out):
+                if text is None:
+                    await self._error("INVALID_MESSAGE", "binary frames are not part of this protocol: send JSON text")
+                    continue
+                try:
+                    closing = await self._handle(parse_message(text))
+                except ValueError as exc:
+                    await self._error("INVALID_MESSAGE", f"malformed message: {exc}")
+                    continue
+                if closing:
+                    return
+        finally:
+            await self._stop_all("disconnected")
+
+    async def _handle(self, message: dict) -> bool:
+        """One message; True once the socket should close."""
+        kind = message.get("type")
+        if kind == "Speak":
+            text = message.get("text")
+            if not isinstance(text, str):
+                await self._error("INVALID_MESSAGE", "Speak needs text (a string)")
+            else:
+                await self._speak(text)
+        elif kind == "Flush":
+            self.flushes += 1
+            if self.current is not None:
+                self.current.end_input()
+                self.current = None
+            else:  # nothing to speak: Flushed at once, in order after what plays
+                self.groups.put_nowait(None)
+        elif kind == "Clear":
+            await self._stop_all("cancelled")
+            self.sender = asyncio.create_task(self._play())
+            await self.out.tell({"type": "Cleared", "sequence_id": self.flushes})
+        elif kind == "Close":
+            await self._stop_all("cancelled")
+            await self.out.close(1000)
+            return True
+        else:
+            await self._warning("UNKNOWN_MESSAGE", f"unknown message type {kind!r}: Speak, Flush, Clear or Close")
+        return False
+
+    async def _speak(self, text: str) -> None:
+        if self.current is None:
+            if len(self.live) >= MAX_CONTEXTS:
+                await self._error("TOO_MANY_REQUESTS", f"{MAX_CONTEXTS} flushes are already waiting to play")
+                return
+            spec = SpeechSpec(self.settings.voice, random.getrandbits(31), self.settings.output, trim_of(self.runtime.config))
+            try:
+                self.current = SpeechSession.open(self.runtime, spec, self.key, f"deepgram-{uuid.uuid4().hex[:16]}")
+            except Refused as exc:
+                await self._error("TOO_MANY_REQUESTS", str(exc))
+                return
+            self.current_chars = 0
+            self.live.append(self.current)
+            self.groups.put_nowait(self.current)
+        self.current_chars += len(text)
+        if self.current_chars > self.runtime.config.max_input_chars:
+            await self._error("INPUT_TOO_LONG", f"over {self.runtime.config.max_input_chars} characters before a Flush")
+            return
+        self.current.push(text)
+
+    async def _play(self) -> None:
+        """Each group's audio in order, then its Flushed; a Flush with nothing to speak, just Flushed."""
+        try:
+            while True:
+                group = await self.groups.get()
+                if group is not None:
+                    await self._play_group(group)
+                self.played += 1
+                await self.out.json({"type": "Flushed", "sequence_id": self.played})
+        except SocketGone:  # the client left: what is still queued stops (run() releases it)
+            for session in list(self.live):
+                session.cancel("disconnected")
+
+    async def _play_group(self, session: SpeechSession) -> None:
+        try:
+            async for item in session.events():
+                if isinstance(item, Audio):
+                    await session.send(lambda: self.out.bytes(item.data), item.seconds)
+        except SocketGone:
+            session.cancel("disconnected")
+            raise
+        except ClientTooSlow:
+            await self.out.close(1008, "client too slow: too far behind real time")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if session.failed(exc):
+                await self._error("SYNTHESIS_FAILED", f"speech generation failed: {exc}")
+        finally:
+            if session in self.live:
+                self.live.remove(session)
+            await session.close()
+
+    async def _stop_all(self, outcome: str) -> None:
+        """Barge-in or a vanished client: every group stops now and releases what it holds."""
+        self.current = None
+        for session in list(self.live):
+            session.cancel(outcome)
+        self.sender.cancel()
+        await asyncio.gather(self.sender, return_exceptions=True)
+        for session in list(self.live):
+            await session.close()
+        self.live.clear()
+        self.groups = asyncio.Queue()
+
+    async def _warning(self, code: str, text: str) -> None:
+        await self.out.tell({"type": "Warning", "warn_code": code, "warn_msg": text, "description": text})
+
+    async def _error(self, code: str, text: str) -> None:
+        await self.out.tell({"type": "Error", "err_code": code, "err_msg": text, "description": text})
+
+
+@router.websocket("/v1/speak")
+async def deepgram_websocket(ws: WebSocket) -> None:
+    runtime = ws.app.state.runtime
+    if await refuse_when_full(ws, runtime):
+        return
+    await ws.accept()
+    try:
+        settings = settings_of(ws.query_params, runtime.config, SOCKET_ENCODINGS)
+    except BadQuery as exc:
+        out = SocketWriter(ws)
+        await out.tell({"type": "Error", "err_code": "INVALID_QUERY_PARAMETER", "err_msg": str(exc), "description": str(exc)})
+        await out.close(1008, "invalid query parameter")
+        return
+    await DeepgramSocket(ws, runtime, ws.scope.get("state", {}).get("api_key"), settings).run()
+
+
+@router.post("/v1/speak")
+async def deepgram_http(request: Request) -> StreamingResponse:
+    """`{"text"}` in, its audio streamed as the bytes come."""
+    runtime = request.app.state.runtime
+    try:
+        settings = settings_of(request.query_params, runtime.config, HTTP_ENCODINGS)
+        body = await request.json()
+    except BadQuery as exc:
+        raise ApiError(400, str(exc)) from None
+    except ValueError:
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get("text"), str):
+        raise ApiError(400, "the body needs text (a string)", "text")
+    check_text(body["text"], runtime.config, "text")
+    if settings.warning:
+        log.info("deepgram speak: %s", settings.warning)
+    spec = SpeechSpec(settings.voice, random.getrandbits(31), settings.output, trim_of(runtime.config))
+    try:
+        session = SpeechSession.open(runtime, spec, getattr(request.state, "api_key", None), f"deepgram-{uuid.uuid4().hex[:16]}")
+    except Refused as exc:
+        raise refused_error(exc) from None
+    session.say(body["text"])
+    return StreamingResponse(session.encoded_bytes(), media_type=spec.output.media_type)

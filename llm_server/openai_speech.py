@@ -1,0 +1,212 @@
+"""OpenAI's speech API (POST /v1/audio/speech) over a SpeechSession: streamed in any of its formats.
+
+The response starts with the first audio, so a failure before any is a proper 503, not a truncated
+200. A failure after audio started ends the stream deliberately: an SSE `error` event, or for raw
+audio a body cut short (the connection closes without the final chunk), which is how HTTP says
+"incomplete". A client that reads far slower than real time is cut off once it is
+`max_client_lag_s` of audio behind (the session's pacing); while it keeps us waiting nothing more is
+read from the codec, so gRPC flow control holds the pipeline back and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import Receive, Scope, Send
+
+from codec_contract.audio import SAMPLE_RATE
+
+from . import request_log
+from .config import LlmServerConfig
+from .encoding import AudioOutput, SilenceTrim, sse_delta, sse_done, sse_event
+from .errors import ApiError
+from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+STREAM_FORMATS = ("audio", "sse")
+router = APIRouter()
+
+
+class SpeechBody(BaseModel):
+    """POST /v1/audio/speech, as OpenAI defines it, plus `seed` and `sample_rate`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: str
+    voice: str = "tara"
+    response_format: str = "mp3"  # OpenAI's default
+    speed: float = 1.0
+    stream_format: str = "audio"
+    instructions: str | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the codec's noise seed is a uint64
+    sample_rate: int = SAMPLE_RATE  # an extension: 8000 to 48000
+
+
+def check_text(text: str, config: LlmServerConfig, param: str = "input") -> None:
+    """Text every front door refuses the same way."""
+    if not text.strip():
+        raise ApiError(400, f"{param} is empty", param)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \\ud800 escape: no tokenizer takes it
+            raise ApiError(400, f"{param} is not valid Unicode text (lone surrogate)", param) from None
+    if len(text) > config.max_input_chars:
+        raise ApiError(400, f"{param} has {len(text)} characters; the limit is {config.max_input_chars}", param,
+                       "input_too_long")
+
+
+def validate(body: SpeechBody, config: LlmServerConfig) -> SpeechSpec:
+    """Check a request against this worker's limits; returns how to speak it."""
+    if body.model not in config.model_names:
+        raise ApiError(404, f"model {body.model!r} not found; this server speaks {list(config.model_names)}", "model", "model_not_found")
+    check_text(body.input, config)
+    voice = config.voice_map.get(body.voice)
+    if voice is None:
+        raise ApiError(400, f"unknown voice {body.voice!r}; choose one of {sorted(config.voice_map)}", "voice")
+    if body.response_format not in FORMATS:
+        raise ApiError(400, f"response_format {body.response_format!r} is not supported; use one of {list(FORMATS)}", "response_format")
+    if body.stream_format not in STREAM_FORMATS:
+        raise ApiError(400, f"stream_format {body.stream_format!r} is not supported; use one of {list(STREAM_FORMATS)}", "stream_format")
+    if body.speed != 1.0:
+        raise ApiError(400, "speed other than 1.0 is not supported: Orpheus speaks at its own pace", "speed")
+    if body.instructions:
+        raise ApiError(400, "instructions are not supported; use inline tags such as <laugh> in the input", "instructions")
+    try:
+        output = AudioOutput(body.response_format, body.sample_rate)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "sample_rate") from None
+    seed = body.seed if body.seed is not None else random.getrandbits(31)
+    return SpeechSpec(voice, seed, output, trim_of(config))
+
+
+def trim_of(config: LlmServerConfig) -> SilenceTrim | None:
+    """The worker's leading-silence trim, if on."""
+    return SilenceTrim(config.trim_silence_dbfs, config.trim_silence_max_ms) if config.trim_silence else None
+
+
+def refused_error(exc: Refused) -> ApiError:
+    return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+@router.post("/v1/audio/speech")
+async def speech(body: SpeechBody, request: Request) -> Response:
+    runtime = request.app.state.runtime
+    spec = validate(body, runtime.config)
+    key = getattr(request.state, "api_key", None)
+    # The session id names engine and codec requests: unique even if clients reuse X-Request-Id.
+    try:
+        session = SpeechSession.open(runtime, spec, key, f"speech-{uuid.uuid4().hex[:16]}")
+    except Refused as exc:
+        raise refused_error(exc) from None
+    _log_request(runtime.config, body, spec.voice, key)
+    session.say(body.input)
+    # Watched from the start: a client gone before the first audio frees everything at once.
+    watcher = asyncio.create_task(_close_on_disconnect(request, session))
+    events = session.events()
+    try:
+        first = await _next_audio(events)
+    except Exception as exc:
+        watcher.cancel()
+        await events.aclose()
+        if session.outcome == "disconnected" and watcher.done():
+            await session.close()
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        await session.close("error")
+        log.error("%s failed before audio: %s", session.request_id, exc)
+        raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
+    media = "text/event-stream" if body.stream_format == "sse" else spec.output.media_type
+    return SpeechResponse(session, first, events, body.stream_format == "sse", watcher, media)
+
+
+async def _next_audio(events: AsyncIterator) -> Audio | None:
+    """The next encoded bytes (timestamps and segment ends are for the WebSocket protocols)."""
+    async for item in events:
+        if isinstance(item, Audio):
+            return item
+    return None
+
+
+class SpeechResponse(StreamingResponse):
+    """The audio as it is decoded, sent within the client's lag allowance; ends deliberately on failure.
+    (A StreamingResponse for its headers: chunked, no Content-Length.)"""
+
+    def __init__(self, session: SpeechSession, first: Audio | None, events: AsyncIterator, sse: bool,
+                 watcher: asyncio.Task, media_type: str) -> None:
+        super().__init__(iter(()), media_type=media_type, headers={"Cache-Control": "no-store"})
+        self.session, self.first, self.events, self.sse, self.watcher = session, first, events, sse, watcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session, ctx = self.session, request_log.current()
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            audio = self.first
+            while audio is not None:
+                body = sse_delta(audio.data) if self.sse else audio.data
+                await session.send(lambda: send({"type": "http.response.body", "body": body, "more_body": True}), audio.seconds)
+                audio = await self._next()
+            if self.sse:
+                await send({"type": "http.response.body", "body": sse_done(*session.usage), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientTooSlow:
+            if ctx is not None:
+                ctx.reset_connection()
+        except _Failed as failure:
+            if self.sse:
+                await send({"type": "http.response.body", "body": sse_error(str(failure)), "more_body": False})
+            elif ctx is not None:
+                ctx.end_response_early()
+        finally:
+            self.watcher.cancel()
+            await self.events.aclose()
+            await session.close()
+
+    async def _next(self) -> Audio | None:
+        try:
+            return await _next_audio(self.events)
+        except Exception as exc:
+            if self.session.outcome == "disconnected" and self.watcher.done():
+                raise  # the client left: nothing to tell it
+            self.session.outcome = "error"
+            log.error("%s failed after %.1f s of audio: %s: %s", self.session.request_id,
+                      self.session.delivered_s, type(exc).__name__, exc)
+            raise _Failed(str(exc)) from None
+
+
+class _Failed(Exception):
+    """Generation failed after audio went out (already logged); the response ends early."""
+
+
+def sse_error(message: str) -> bytes:
+    """A final `error` event: the stream failed after audio went out (OpenAI's error shape)."""
+    error = {"message": f"speech generation failed: {message}", "type": "server_error", "param": None,
+             "code": "generation_failed"}
+    return sse_event({"type": "error", "error": error})
+
+
+async def _close_on_disconnect(request: Request, session: SpeechSession) -> None:
+    """Stop generating the moment the client goes, not at the next chunk we fail to send."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            log.info("%s: client disconnected", session.request_id)
+            session.cancel("disconnected")
+            return
+
+
+def _log_request(config: LlmServerConfig, body: SpeechBody, voice: str, key) -> None:
+    """One line per admitted request; the text itself only with --log-input-text."""
+    who = f", key {key.name}" if key else ""
+    what = f"input {body.input!r}" if config.log_input_text else f"{len(body.input)} characters"
+    log.info("speech: voice %s, %s/%s at %d Hz%s, %s", voice, body.response_format, body.stream_format,
+             body.sample_rate, who, what)
+

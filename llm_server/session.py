@@ -1,0 +1,273 @@
+"""One speech stream's owner: admission, generation, the codec, encoding, metrics, pacing, cancellation.
+
+Every front door (the HTTP speech API, the Cartesia- and Deepgram-compatible WebSockets) opens a
+SpeechSession, gives it text (whole, or in pieces as a voice agent's LLM writes it), reads its events
+and closes it. Whatever happened, close() aborts the engine request, cancels the codec streams,
+returns the admission slot and counts the outcome, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from codec_contract.audio import SAMPLE_RATE
+
+from .admission import KEY
+from .auth import ApiKey
+from .encoding import S16_BYTES as SAMPLE_BYTES
+from .encoding import AudioOutput, SilenceTrim, StreamEncoder, first_audible
+from .prompt import TextSegmenter, split_sentences
+from .speech import SegmentEnd, SpeechJob, SpeechStream
+
+log = logging.getLogger(__name__)
+
+class Refused(Exception):
+    """A stream cap is reached (the worker's or the key's): refused at once, never queued."""
+
+    def __init__(self, message: str, by_key: bool) -> None:
+        super().__init__(message)
+        self.by_key = by_key
+
+
+class ClientTooSlow(Exception):
+    """The client fell more than max_client_lag_s of audio behind; the stream is cut off."""
+
+
+@dataclass(frozen=True)
+class SpeechSpec:
+    """How to speak: voice, seed, the bytes the client wants, and whether to trim leading silence."""
+
+    voice: str
+    seed: int
+    output: AudioOutput = AudioOutput()
+    trim: SilenceTrim | None = None
+
+
+@dataclass(frozen=True)
+class Audio:
+    """Encoded bytes for the client, and the seconds of speech they carry."""
+
+    data: bytes
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Words:
+    """Word timings of one segment, in seconds from the start of the session's audio.
+
+    An approximation: the segment's audio is shared among its words in proportion to their length.
+    """
+
+    words: list[str]
+    starts: list[float]
+    ends: list[float]
+
+
+class ClientPace:
+    """How far behind a client is, counted only while it keeps us waiting.
+
+    `blocked_s` sums the time each send took; `accepted_s` is the audio taken. A client reading at
+    real-time pace can keep us waiting at most about the audio it took plus what its buffer holds,
+    so blocked - accepted stays near zero for it, and it is exactly zero for a server slower than
+    real time (never kept waiting).
+    """
+
+    def __init__(self, max_lag_s: float) -> None:
+        self.max_lag_s = max_lag_s
+        self.blocked_s = 0.0
+        self.accepted_s = 0.0
+
+    def time_left(self) -> float:
+        """How long the next send may take before the client is over its lag."""
+        return self.max_lag_s + self.accepted_s - self.blocked_s
+
+
+class SpeechSession:
+    """One stream, from admission to its outcome. Use open(), then say() or push()/flush()/end_input(),
+    iterate events(), and close()."""
+
+    def __init__(self, runtime, spec: SpeechSpec, key: ApiKey | None, request_id: str) -> None:
+        self._runtime = runtime
+        self._metrics = runtime.metrics
+        self.spec = spec
+        self.key = key
+        self.request_id = request_id
+        self.outcome = "disconnected"  # until the stream ends otherwise
+        self._stream: SpeechStream = runtime.pipeline.start(SpeechJob(request_id, spec.voice, spec.seed))
+        self._segmenter = TextSegmenter(runtime.config.max_segment_chars)
+        self.segments = 0  # segments handed to the stream so far; SegmentEnd.index counts the same way
+        self._pace = ClientPace(runtime.config.max_client_lag_s)
+        self._started = time.perf_counter()
+        self._closed = False
+        self._metrics.active_streams.inc()
+
+    @classmethod
+    def open(cls, runtime, spec: SpeechSpec, key: ApiKey | None, request_id: str) -> SpeechSession:
+        """Admit a new stream (a worker-wide slot and one of the key's), or raise Refused at once."""
+        refused = runtime.admission.admit(key.name if key else None, key.max_streams if key else 0)
+        if refused is not None:
+            runtime.metrics.requests.labels("refused").inc()
+            by_key = refused == KEY
+            if key is not None:
+                runtime.metrics.key_requests.labels(key.name, "refused_key" if by_key else "refused").inc()
+            who, cap = (f"API key {key.name!r}", key.max_streams) if by_key else ("server", runtime.config.max_streams)
+            raise Refused(f"{who} is at its limit of {cap} concurrent streams; retry shortly", by_key)
+        return cls(runtime, spec, key, request_id)
+
+    # -- text in --------------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        """The whole input at once: spoken sentence by sentence."""
+        for segment in split_sentences(text, self._runtime.config.max_segment_chars):
+            self._add(segment)
+        self._stream.end()
+
+    def push(self, piece: str) -> None:
+        """A piece of text; speaking starts as soon as a segment is complete (TextSegmenter)."""
+        for segment in self._segmenter.push(piece):
+            self._add(segment)
+
+    def flush(self) -> None:
+        """Speak whatever is buffered, complete or not."""
+        for segment in self._segmenter.flush():
+            self._add(segment)
+
+    def end_input(self) -> None:
+        """No more text: what is buffered is spoken, then the audio ends."""
+        self.flush()
+        self._stream.end()
+
+    def _add(self, segment: str) -> None:
+        self._stream.add(segment)
+        self.segments += 1
+
+    @property
+    def pending_text(self) -> str:
+        """Text pushed but not yet spoken (waiting for a sentence end)."""
+        return self._segmenter.pending
+
+    @property
+    def delivered_s(self) -> float:
+        """Seconds of audio the client has taken."""
+        return self._pace.accepted_s
+
+    @property
+    def usage(self) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) so far."""
+        return self._stream.prompt_tokens, self._stream.generated_tokens
+
+    # -- audio out ------------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[Audio | Words | SegmentEnd]:
+        """The client's audio as it is decoded; after each segment's audio, its Words and SegmentEnd."""
+        encoder = StreamEncoder(self.spec.output)
+        trimming = self.spec.trim
+        audible_level = (self.spec.trim or SilenceTrim()).level
+        heard = sent = False
+        emitted = dropped = 0  # samples sent, and trimmed, at 24 kHz
+        segment_start = 0
+        async for item in self._stream.audio():
+            if isinstance(item, SegmentEnd):
+                yield self._words(item.text, segment_start, emitted)
+                segment_start = emitted
+                yield item
+                continue
+            pcm = item.pcm
+            if trimming is not None:
+                pcm, cut, trimming = _trim(pcm, trimming, dropped)
+                dropped += cut
+            if not heard and first_audible(pcm, audible_level) is not None:
+                heard = True
+                self._metrics.time_to_first_audible_audio.observe(time.perf_counter() - self._started)
+            emitted += len(pcm) // SAMPLE_BYTES
+            data = encoder.encode(pcm)
+            if data:
+                if not sent:
+                    sent = True
+                    self._metrics.time_to_first_audio.observe(time.perf_counter() - self._started)
+                seconds = len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE)
+                self._metrics.audio_seconds.inc(seconds)
+                yield Audio(data, seconds)
+        tail = encoder.finish()
+        if tail:
+            yield Audio(tail, 0.0)
+        self.outcome = "ok"
+
+    async def encoded_bytes(self) -> AsyncIterator[bytes]:
+        """Just the bytes, then close(): for a plain streamed HTTP body (a client gone ends it)."""
+        try:
+            async for item in self.events():
+                if isinstance(item, Audio):
+                    yield item.data
+        finally:
+            await self.close()
+
+    async def send(self, deliver: Callable[[], Awaitable[None]], seconds: float) -> None:
+        """Run `deliver` (one send to the client) within the client's lag allowance; raise ClientTooSlow past it."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(max(self._pace.time_left(), 0.0)):
+                await deliver()
+        except TimeoutError:
+            p = self._pace
+            log.warning("%s: client too slow: kept the stream waiting %.1f s for %.1f s of audio (limit %.1f s behind); "
+                        "cut off", self.request_id, p.blocked_s + time.monotonic() - started, p.accepted_s, p.max_lag_s)
+            self.outcome = "slow_client"
+            raise ClientTooSlow from None
+        self._pace.blocked_s += time.monotonic() - started
+        self._pace.accepted_s += seconds
+
+    # -- the end --------------------------------------------------------------------------------------
+    def failed(self, exc: BaseException) -> bool:
+        """Generation failed: count and log it, and say whether the client should hear of it (not
+        when the stream was cancelled or its client left: the failure is then only the cancel's echo)."""
+        if self.outcome in ("cancelled", "disconnected"):
+            return False
+        self.outcome = "error"
+        log.error("%s failed after %.1f s of audio: %s: %s", self.request_id, self.delivered_s, type(exc).__name__, exc)
+        return True
+
+    def cancel(self, outcome: str = "cancelled") -> None:
+        """Stop now (barge-in, a client gone): the engine request and codec streams go at once."""
+        if self.outcome != "ok":
+            self.outcome = outcome
+        self._stream.cancel()
+
+    async def close(self, outcome: str | None = None) -> None:
+        """Release everything and count the outcome; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if outcome is not None:
+            self.outcome = outcome
+        await self._stream.close()
+        self._runtime.admission.release(self.key.name if self.key else None)
+        self._metrics.active_streams.dec()
+        self._metrics.requests.labels(self.outcome).inc()
+        if self.key is not None:
+            self._metrics.key_requests.labels(self.key.name, self.outcome).inc()
+
+    @staticmethod
+    def _words(text: str, start: int, end: int) -> Words:
+        words = text.split()
+        weights = [len(w) + 1 for w in words]
+        total = sum(weights) or 1
+        duration = (end - start) / SAMPLE_RATE
+        starts, ends, t = [], [], start / SAMPLE_RATE
+        for weight in weights:
+            starts.append(round(t, 3))
+            t += duration * weight / total
+            ends.append(round(t, 3))
+        return Words(words, starts, ends)
+
+
+def _trim(pcm: bytes, trim: SilenceTrim, dropped: int) -> tuple[bytes, int, SilenceTrim | None]:
+    """Drop leading silence: samples before the first audible one, at most trim.max_ms in all.
+    Returns what is left, how many samples went, and the trim still to apply (None once done)."""
+    cap = int(trim.max_ms * SAMPLE_RATE / 1000) - dropped
+    loud = first_audible(pcm, trim.level)
+    cut = min(len(pcm) // SAMPLE_BYTES if loud is None else loud, cap)
+    done = loud is not None or cut >= cap
+    return pcm[cut * SAMPLE_BYTES :], cut, (None if done else trim)

@@ -1,0 +1,109 @@
+"""What the WebSocket front doors (Cartesia- and Deepgram-compatible) share: one writer per socket,
+the capacity check at connect, voice names, and text limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from .config import LlmServerConfig
+
+log = logging.getLogger(__name__)
+
+TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded; the client should reconnect later
+MAX_MESSAGE_CHARS = 65_536  # one text message; longer ones are refused, not parsed
+MAX_CONTEXTS = 64  # open contexts (or queued flush groups) per socket
+
+
+class SocketGone(Exception):
+    """The client's socket is closed: whatever was being made for it can stop."""
+
+
+class SocketWriter:
+    """Sends for every task of one socket, one at a time."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self._lock = asyncio.Lock()
+        self.gone = False
+
+    async def json(self, message: dict) -> None:
+        """Send, or raise SocketGone."""
+        await self._send(lambda: self.ws.send_text(json.dumps(message)))
+
+    async def bytes(self, data: bytes) -> None:
+        """Send, or raise SocketGone."""
+        await self._send(lambda: self.ws.send_bytes(data))
+
+    async def tell(self, message: dict) -> None:
+        """Send if the socket is still there (errors, warnings): never raises."""
+        try:
+            await self.json(message)
+        except SocketGone:
+            pass
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        async with self._lock:
+            if not self.gone and self.ws.client_state == WebSocketState.CONNECTED:
+                self.gone = True
+                try:
+                    await self.ws.close(code, reason)
+                except (RuntimeError, WebSocketDisconnect, OSError):
+                    pass
+
+    async def _send(self, send) -> None:
+        async with self._lock:
+            if self.gone:
+                raise SocketGone
+            try:
+                await send()
+            except (RuntimeError, WebSocketDisconnect, OSError):  # the client went away mid-send
+                self.gone = True
+                raise SocketGone from None
+
+
+async def refuse_when_full(ws: WebSocket, runtime) -> bool:
+    """A new socket when every stream slot is taken: accepted and closed at once with 1013."""
+    if runtime.admission.active < runtime.config.max_streams:
+        return False
+    await ws.accept()
+    await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.config.max_streams} concurrent streams")
+    runtime.metrics.requests.labels("refused").inc()
+    return True
+
+
+def voice_for(config: LlmServerConfig, name: str | None) -> tuple[str, bool]:
+    """The Orpheus voice for a client's voice name (Orpheus names and the OpenAI aliases); another
+    vendor's id gets the first voice, with False saying so."""
+    if name:
+        voice = config.voice_map.get(name.strip().lower())
+        if voice is not None:
+            return voice, True
+    return config.voices[0], False
+
+
+async def client_messages(ws: WebSocket, out: SocketWriter) -> AsyncIterator[str | None]:
+    """The text of each message the client sends (None for a binary frame), until it goes."""
+    try:
+        while not out.gone:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            yield message.get("text")
+    except WebSocketDisconnect:
+        return
+
+
+def parse_message(text: str) -> dict:
+    """A client's JSON message; ValueError with the reason when it is not one."""
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise ValueError(f"message of {len(text)} characters is over the limit of {MAX_MESSAGE_CHARS}")
+    message = json.loads(text)
+    if not isinstance(message, dict):
+        raise ValueError("a message must be a JSON object")
+    return message

@@ -1,0 +1,182 @@
+"""An LLM worker in-process for fast edge tests: the real app, Runtime, codec client, snac server and
+uvicorn on loopback; only the engine and the tokenizer are test doubles (they need no model).
+
+Also how to tell that nothing of any stream is left: admission slots, the active-streams gauge, the
+engine's live generators, the codec tier's streams and this loop's tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from llm_server.admission import AdmissionController
+from llm_server.api import create_app
+from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
+from llm_server.codec_client import CodecClient
+from llm_server.config import LlmServerConfig
+from llm_server.engine import EngineError, Sampling
+from llm_server.metrics import LlmMetrics
+from llm_server.runtime import Runtime, codec_client_config
+from llm_server.speech import SpeechPipeline
+
+FRAME_BYTES = 2048 * 2  # s16 samples per frame
+BYTES_PER_SECOND = 24000 * 2
+
+class ScriptedEngineDouble:
+    """A test double of the Engine protocol: valid audio-token batches, fast (faster than real
+    time, like a GPU), `frames` per request whatever the token budget, and a scripted failure
+    after `fail_after_frames`, once `fail_gate` is set (by a test that has seen audio arrive)."""
+
+    def __init__(self, frames: int = 48, frames_per_batch: int = 2, batch_delay_s: float = 0.002,
+                 fail_after_frames: int | None = None) -> None:
+        self.frames = frames
+        self.frames_per_batch = frames_per_batch
+        self.batch_delay_s = batch_delay_s
+        self.fail_after_frames = fail_after_frames
+        self.fail_gate = asyncio.Event()
+        self.live = 0  # generators started and not yet finalized
+        self.started = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
+        self.live += 1
+        self.started += 1
+        rng = random.Random(request_id)
+        try:
+            sent = 0
+            while sent < self.frames:
+                if self.fail_after_frames is not None and sent >= self.fail_after_frames:
+                    await self.fail_gate.wait()
+                    raise EngineError("scripted engine failure")
+                n = min(self.frames_per_batch, self.frames - sent)
+                await asyncio.sleep(self.batch_delay_s)
+                yield [code_to_token(rng.randrange(4096), slot) for _ in range(n) for slot in range(7)]
+                sent += n
+            yield [END_OF_SPEECH]
+        finally:
+            self.live -= 1
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def num_unfinished(self) -> int:
+        return self.live
+
+    def describe(self) -> dict[str, object]:
+        return {"engine": "scripted test double"}
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class CharTokenizerDouble:
+    """A tokenizer test double: one id per character (the prompt's content does not matter here)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1000 + ord(c) % 1000 for c in text]
+
+
+@dataclass
+class Served:
+    url: str
+    port: int
+    runtime: Runtime
+    engine: ScriptedEngineDouble
+
+    def outcome(self, outcome: str) -> float:
+        value = self.runtime.metrics.registry.get_sample_value("orpheus_requests_total", {"outcome": outcome})
+        return value or 0.0
+
+
+@asynccontextmanager
+async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, **overrides):
+    """The real app over a real Runtime (engine double) under uvicorn, in this event loop."""
+    config = LlmServerConfig(host="127.0.0.1", port=0, snac=snac_server.address, **overrides)
+    engine = engine or ScriptedEngineDouble()
+    codec = CodecClient(codec_client_config(config))
+    metrics = LlmMetrics(engine.num_unfinished)
+    tokenizer = CharTokenizerDouble()
+    runtime = Runtime(config=config, engine=engine, codec=codec, tokenizer=tokenizer,
+                      pipeline=SpeechPipeline(engine, codec, tokenizer, config, metrics),
+                      admission=AdmissionController(config.max_streams), metrics=metrics)
+    app = create_app(config, runtime)
+    sock = socket.socket()
+    if sndbuf:  # inherited by accepted connections: a small send buffer, no autotuning
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    sock.setblocking(False)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info", timeout_graceful_shutdown=2))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    port = sock.getsockname()[1]
+    try:
+        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+def body(text: str = "Hello there.", **kw) -> dict:
+    return {"model": "tts-1", "input": text, "voice": "tara", "response_format": "pcm", **kw}
+
+
+def pending_tasks() -> set[asyncio.Task]:
+    """Unfinished tasks of this loop, less the snac server's own (grpc.aio keeps spare call
+    tasks and the codec client's health watch there; its Decode streams are counted apart)."""
+    return {t for t in asyncio.all_tasks() if not t.done() and not _grpc_server_task(t)}
+
+
+def _grpc_server_task(task: asyncio.Task) -> bool:
+    frames = task.get_stack(limit=1)
+    return bool(frames) and "aio/server.pyx" in frames[0].f_code.co_filename
+
+
+async def settled(served: Served, snac_server, baseline: set[asyncio.Task], within_s: float = 10.0,
+                  count_tasks: bool = True) -> dict:
+    """Wait until nothing of any stream is held; returns the readings (all zero when settled).
+    `count_tasks=False` while a client socket is still open: its handler is rightly alive."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        leaked = pending_tasks() - baseline - {asyncio.current_task()}
+        readings = {
+            "admission": served.runtime.admission.active,
+            "per_key": sum(served.runtime.admission.active_per_key.values()),
+            "active_streams": served.runtime.metrics.registry.get_sample_value("orpheus_active_streams"),
+            "engine_generators": served.engine.live,
+            "codec_streams": snac_server.service.active,
+            "tasks": len(leaked) if count_tasks else 0,
+        }
+        if not any(readings.values()) or loop.time() > deadline:
+            if leaked and count_tasks:
+                readings["leaked"] = [repr(t.get_coro()) for t in leaked]
+            return readings
+        await asyncio.sleep(0.05)  # the server runs on this loop: let it work
+
+
+async def baseline(served: Served, snac_server) -> set[asyncio.Task]:
+    """Tasks that belong to the server itself, taken after one short request warmed every channel up."""
+    frames, served.engine.frames = served.engine.frames, 8
+    try:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            assert (await client.post("/v1/audio/speech", json=body())).status_code == 200
+    finally:
+        served.engine.frames = frames
+    await asyncio.sleep(0.3)
+    return pending_tasks()
+
+
+# --- raw HTTP over a socket we control (buffer sizes, when to read) ---------------------------

@@ -1,0 +1,251 @@
+"""The Cartesia- and Deepgram-compatible front doors, against the in-process worker (engine double, real
+codec server): contexts, timestamps, encodings, barge-in, capacity, auth, and hostile input that gets
+the protocol's error and leaves nothing held."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from served import FRAME_BYTES, ScriptedEngineDouble, baseline, serving, settled
+
+FRAME_SAMPLES = 2048
+NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks")}
+
+
+def ws_url(served, path: str) -> str:
+    return served.url.replace("http://", "ws://") + path
+
+
+def cartesia(context_id: str, transcript: str, more: bool = True, **extra) -> str:
+    message = {"transcript": transcript, "continue": more, "context_id": context_id, "model_id": "sonic-3",
+               "voice": {"mode": "id", "id": "tara"},
+               "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}, **extra}
+    return json.dumps(message)
+
+
+async def until_done(ws, context_ids: set[str], timeout_s: float = 60.0) -> dict[str, list[dict]]:
+    """Every message per context until each one's `done`."""
+    got: dict[str, list[dict]] = {c: [] for c in context_ids}
+    open_ = set(context_ids)
+    async with asyncio.timeout(timeout_s):
+        while open_:
+            message = json.loads(await ws.recv())
+            got.setdefault(message["context_id"], []).append(message)
+            if message["type"] == "done":
+                open_.discard(message["context_id"])
+    return got
+
+
+def audio_bytes(messages: list[dict]) -> bytes:
+    return b"".join(base64.b64decode(m["data"]) for m in messages if m["type"] == "chunk")
+
+
+async def test_cartesia_context_streams_words_in_and_audio_timestamps_done_out(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=12)) as served:
+        async with connect(ws_url(served, "/tts/websocket"), additional_headers={"X-API-Key": "unused"}) as ws:
+            for word in ["Hello ", "there, ", "friend. ", "How ", "are ", "you?"]:
+                await ws.send(cartesia("c1", word, add_timestamps=True))
+            await ws.send(cartesia("c1", "", more=False, add_timestamps=True))
+            messages = (await until_done(ws, {"c1"}))["c1"]
+    kinds = [m["type"] for m in messages]
+    assert kinds[-1] == "done" and kinds.count("done") == 1 and "error" not in kinds
+    pcm = audio_bytes(messages)
+    assert len(pcm) == 2 * 12 * FRAME_BYTES, "two sentences of 12 frames each, every sample"
+    stamps = [m["word_timestamps"] for m in messages if m["type"] == "timestamps"]
+    assert [w for s in stamps for w in s["words"]] == ["Hello", "there,", "friend.", "How", "are", "you?"]
+    starts = [t for s in stamps for t in s["start"]]
+    assert starts == sorted(starts) and starts[0] == 0.0, "seconds from the start of the context's audio"
+
+
+async def test_cartesia_contexts_on_one_socket_each_get_their_own_audio(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=6)) as served:
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
+            await ws.send(cartesia("a", "First context speaks.", more=False))
+            await ws.send(cartesia("b", "Second one too.", more=False,
+                                   output_format={"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000}))
+            got = await until_done(ws, {"a", "b"})
+    assert len(audio_bytes(got["a"])) == 6 * FRAME_BYTES
+    assert abs(len(audio_bytes(got["b"])) - 6 * FRAME_SAMPLES / 3) <= 2, "mu-law at 8 kHz: one byte a sample"
+
+
+async def test_cartesia_flush_speaks_the_buffer_and_answers_after_its_audio(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=6)) as served:
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
+            await ws.send(cartesia("f", "An unfinished thought", flush=True))  # no sentence end: only the flush speaks it
+            await ws.send(cartesia("f", "and the rest.", more=False))
+            messages = (await until_done(ws, {"f"}))["f"]
+    kinds = [m["type"] for m in messages]
+    assert kinds.count("flush_done") == 1 and "error" not in kinds
+    at = kinds.index("flush_done")
+    assert messages[at]["flush_id"] == 1
+    assert len(audio_bytes(messages[:at])) == 6 * FRAME_BYTES, "after the flushed text's audio, before the rest's"
+    assert len(audio_bytes(messages[at:])) == 6 * FRAME_BYTES
+
+
+async def test_cartesia_cancel_stops_the_audio_and_frees_everything(snac_server):
+    engine = ScriptedEngineDouble(frames=400, batch_delay_s=0.02)  # a long reply, being spoken
+    async with serving(snac_server, engine) as served:
+        quiet = await baseline(served, snac_server)
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
+            await ws.send(cartesia("long", "A reply that goes on.", more=False))
+            while json.loads(await ws.recv())["type"] != "chunk":
+                pass
+            await ws.send(json.dumps({"context_id": "long", "cancel": True}))
+            assert await settled(served, snac_server, quiet, count_tasks=False) == NOTHING_HELD
+            await ws.send(cartesia("next", "Still serving.", more=False))  # the socket carries on
+            assert (await until_done(ws, {"next"}))["next"][-1]["type"] == "done"
+    assert served.outcome("cancelled") == 1
+
+
+async def test_cartesia_over_capacity_refuses_the_context_and_then_the_socket(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=400, batch_delay_s=0.02), max_streams=1) as served:
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
+            await ws.send(cartesia("held", "Holding the only slot.", more=False))
+            await ws.send(cartesia("extra", "One too many.", more=False))
+            refusal = None
+            while refusal is None:
+                message = json.loads(await ws.recv())
+                if message["type"] == "error":
+                    refusal = message
+            assert (refusal["context_id"], refusal["status_code"], refusal["done"]) == ("extra", 429, False)
+            async with connect(ws_url(served, "/tts/websocket")) as second:
+                with pytest.raises(ConnectionClosed) as closed:
+                    await second.recv()
+            assert closed.value.rcvd.code == 1013
+
+
+HOSTILE = {
+    "not JSON": "{transcript: hi",
+    "not an object": "[1, 2]",
+    "no transcript": json.dumps({"context_id": "x", "continue": True}),
+    "transcript not a string": json.dumps({"context_id": "x", "transcript": 5}),
+    "context id not a string": json.dumps({"context_id": 7, "transcript": "hi"}),
+    "voice embedding": json.dumps({"context_id": "x", "transcript": "hi", "voice": {"mode": "embedding", "embedding": [0.1]}}),
+    "unknown encoding": cartesia("x", "hi", output_format={"container": "raw", "encoding": "opus", "sample_rate": 24000}),
+    "odd sample rate": cartesia("x", "hi", output_format={"container": "raw", "encoding": "pcm_s16le", "sample_rate": 11025}),
+    "speed": cartesia("x", "hi", generation_config={"speed": 1.5}),
+    "huge message": json.dumps({"context_id": "x", "transcript": "a" * 70_000}),
+}
+
+
+async def test_cartesia_hostile_messages_get_errors_and_the_socket_lives_on(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=4)) as served:
+        quiet = await baseline(served, snac_server)
+        async with connect(ws_url(served, "/tts/websocket"), max_size=2**22) as ws:
+            for case, message in HOSTILE.items():
+                await ws.send(message)
+                reply = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                assert reply["type"] == "error" and reply["status_code"] == 400 and not reply["done"], case
+                assert "context_id" in reply, "Pipecat reads context_id from every message"
+            await ws.send(b"\x00\xff binary garbage")
+            assert json.loads(await ws.recv())["type"] == "error"
+            await ws.send(cartesia("y", "Ended.", more=False))
+            await ws.send(cartesia("y", "After the end."))
+            replies = [json.loads(await asyncio.wait_for(ws.recv(), 30)) for _ in range(2)]
+            assert any(r["type"] == "error" and "has ended" in r["error"] for r in replies)
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
+
+
+async def test_clients_vanishing_at_random_points_leave_nothing_held(snac_server):
+    rng = random.Random(5)
+    async with serving(snac_server, ScriptedEngineDouble(frames=60, batch_delay_s=0.005)) as served:
+        quiet = await baseline(served, snac_server)
+        for i in range(12):
+            path = rng.choice(["/tts/websocket", "/v1/speak?model=tara"])
+            async with connect(ws_url(served, path)) as ws:
+                if path.startswith("/tts"):
+                    await ws.send(cartesia(f"v{i}", "Leaving at some point. Maybe now.", more=rng.random() < 0.5))
+                else:
+                    await ws.send(json.dumps({"type": "Speak", "text": "Leaving at some point. "}))
+                    if rng.random() < 0.5:
+                        await ws.send(json.dumps({"type": "Flush"}))
+                for _ in range(rng.randrange(0, 4)):
+                    await ws.recv()
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
+
+
+async def test_deepgram_words_then_flush_then_again_on_one_socket(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=5)) as served:
+        async with connect(ws_url(served, "/v1/speak?model=aura-2-helena-en&encoding=linear16&sample_rate=24000"),
+                           additional_headers={"Authorization": "Token unused"}) as ws:
+            first = json.loads(await ws.recv())
+            warning = json.loads(await ws.recv())
+            assert first["type"] == "Metadata" and warning["type"] == "Warning" and "tara" in warning["warn_msg"]
+            for turn in range(2):
+                for word in ["Hello ", "there, ", "friend."]:
+                    await ws.send(json.dumps({"type": "Speak", "text": word}))
+                await ws.send(json.dumps({"type": "Flush"}))
+                audio = b""
+                while isinstance(message := await asyncio.wait_for(ws.recv(), 30), bytes):
+                    audio += message
+                assert json.loads(message) == {"type": "Flushed", "sequence_id": turn + 1}
+                assert len(audio) == 5 * FRAME_BYTES
+
+
+async def test_deepgram_clear_stops_the_audio_and_frees_everything(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=400, batch_delay_s=0.02)) as served:
+        quiet = await baseline(served, snac_server)
+        async with connect(ws_url(served, "/v1/speak?model=tara&encoding=mulaw&sample_rate=8000")) as ws:
+            await ws.recv()  # Metadata
+            await ws.send(json.dumps({"type": "Speak", "text": "A long answer the user talks over. "}))
+            while not isinstance(await ws.recv(), bytes):
+                pass
+            await ws.send(json.dumps({"type": "Clear"}))
+            while isinstance(message := await asyncio.wait_for(ws.recv(), 10), bytes):
+                pass  # what was already on its way
+            assert json.loads(message)["type"] == "Cleared"
+            assert await settled(served, snac_server, quiet, count_tasks=False) == NOTHING_HELD
+            await ws.send(json.dumps({"type": "Unknown"}))
+            assert json.loads(await ws.recv())["type"] == "Warning"
+            await ws.send("{not json")
+            assert json.loads(await ws.recv())["type"] == "Error"
+            await ws.send(json.dumps({"type": "Close"}))
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await ws.recv()
+
+
+async def test_a_bad_query_is_an_error_message_then_a_close(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=4)) as served:
+        async with connect(ws_url(served, "/v1/speak?model=tara&encoding=flac")) as ws:
+            error = json.loads(await ws.recv())
+            assert error["type"] == "Error" and "encoding" in error["err_msg"]
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+
+
+async def test_http_twins_stream_the_bytes(snac_server):
+    async with serving(snac_server, ScriptedEngineDouble(frames=6)) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            cartesia_reply = await client.post("/tts/bytes", json={
+                "model_id": "sonic-3", "transcript": "Bytes please.", "voice": {"mode": "id", "id": "leo"},
+                "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
+            deepgram_reply = await client.post("/v1/speak?model=tara&encoding=linear16&container=none&sample_rate=16000",
+                                               json={"text": "Bytes please."})
+    assert cartesia_reply.status_code == 200 and len(cartesia_reply.content) == 6 * FRAME_BYTES
+    assert deepgram_reply.status_code == 200 and abs(len(deepgram_reply.content) - 6 * FRAME_BYTES * 2 / 3) <= 4
+
+
+async def test_sockets_present_keys_the_way_their_protocol_does(snac_server, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("agent:agent-secret-key\n")
+    async with serving(snac_server, ScriptedEngineDouble(frames=4), api_keys_file=str(keys)) as served:
+        with pytest.raises(InvalidStatus):
+            async with connect(ws_url(served, "/tts/websocket")):
+                pass
+        async with connect(ws_url(served, "/tts/websocket"), additional_headers={"X-API-Key": "agent-secret-key"}) as ws:
+            await ws.send(cartesia("k", "Keyed.", more=False))
+            assert (await until_done(ws, {"k"}))["k"][-1]["type"] == "done"
+        async with connect(ws_url(served, "/tts/websocket?api_key=agent-secret-key")) as ws:
+            await ws.send(cartesia("q", "Keyed by query.", more=False))
+            assert (await until_done(ws, {"q"}))["q"][-1]["type"] == "done"
+        async with connect(ws_url(served, "/v1/speak?model=tara"), additional_headers={"Authorization": "Token agent-secret-key"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "Metadata"
