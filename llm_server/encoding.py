@@ -33,7 +33,12 @@ _CONTAINERS = {
     "mulaw": ("mulaw", "pcm_mulaw", {}, None),
     "alaw": ("alaw", "pcm_alaw", {}, None),
 }
-_CODEC_OPTIONS = {"flac": {"frame_size": "1024"}}  # a FLAC frame per 1024 samples, not 4608: bytes out every chunk
+_CODEC_OPTIONS = {
+    "flac": {"frame_size": "1024"},  # a FLAC frame per 1024 samples, not 4608: bytes out every chunk
+    # LAME's bit reservoir holds each frame back until later frames are encoded: without it the first
+    # bytes leave with the first chunk instead of the second (benchmarks/front_doors.py, ttfb).
+    "mp3": {"reservoir": "0"},
+}
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # libopus takes no other; 22.05 and 44.1 kHz become 48 kHz
 MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
                "pcm": "audio/pcm", "pcm_f32le": "audio/pcm", "mulaw": "audio/basic", "alaw": "audio/x-alaw-basic"}

@@ -53,6 +53,15 @@ def test_each_format_decodes_to_the_input_length(fmt, rate):
     assert any(sizes[: CHUNKS // 2]), "bytes stream out as the audio arrives, not at the end"
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac", "wav"])
+def test_audio_leaves_with_the_first_chunk(fmt):
+    """The streaming decoder's first chunk (1387 samples) must not wait in the encoder for the next
+    one, a frame of the LLM later. (AAC cannot: ffmpeg's encoder needs 2048 samples for its first packet.)"""
+    headers_only, first = StreamEncoder(AudioOutput(fmt)), StreamEncoder(AudioOutput(fmt))
+    header = len(headers_only.encode(b""))
+    assert len(first.encode(SINE[:1387].tobytes())) > header
+
+
 def test_pcm_at_24khz_is_the_codecs_bytes_untouched():
     data, _ = encode(AudioOutput("pcm", 24000))
     assert data == SINE.tobytes()
