@@ -7,6 +7,7 @@ with an OpenAI-shaped error body here, at the edge; the rest of the tier raises 
 
 from __future__ import annotations
 
+import gc
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,12 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.runtime = runtime or await Runtime.start(config)
+        # Everything loaded so far (torch, transformers, vLLM's client) lives as long as the process:
+        # out of the collector's sight, a full collection no longer walks it. Unfrozen, each one
+        # stalled every stream of the worker for 300+ ms (benchmarks/serving_cpu.py, 256 streams).
+        # vLLM's own API server does the same after start-up.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

@@ -13,13 +13,18 @@ import os
 from collections.abc import AsyncIterator
 
 from .attention import attention_config
-from .audio_tokens import STOP_TOKEN_IDS
+from .audio_tokens import CODES_PER_FRAME, STOP_TOKEN_IDS
 from .config import LlmServerConfig
 from .engine import EngineError, Sampling
 from .engine_probe import WORKER_EXTENSION
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
 
 log = logging.getLogger(__name__)
+
+# Tokens per output vLLM hands us (SamplingParams.stream_interval; the first and the last come at
+# once): a frame's worth, so the worker wakes once a frame instead of once a token. Outputs then
+# end one token past each frame, so a frame reaches the codec one step (12 ms on a GPU) later.
+STREAM_INTERVAL = CODES_PER_FRAME
 
 
 def engine_args(config: LlmServerConfig, model_dir: str):
@@ -103,6 +108,7 @@ class VllmEngine:
             max_tokens=sampling.max_tokens,
             stop_token_ids=list(STOP_TOKEN_IDS),
             output_kind=RequestOutputKind.DELTA,
+            stream_interval=STREAM_INTERVAL,
             detokenize=False,
             seed=sampling.seed,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -61,6 +62,10 @@ class SnacServer:
         except WarmUpFailed:
             self._stop_metrics()
             raise
+        # The model and the libraries stay for the process's life: out of the collector's sight, a full
+        # collection no longer walks them (llm_server/api.py says what that cost the worker).
+        gc.collect()
+        gc.freeze()
         await self.grpc_server.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -121,17 +126,23 @@ def server_credentials(config: SnacServerConfig) -> grpc.ServerCredentials:
     )
 
 
-def build_server(config: SnacServerConfig) -> tuple[SnacServer, int]:
-    """Load the model and wire every part; returns the server and its bound gRPC port."""
-    metrics = SnacMetrics()
+def build_runner(config: SnacServerConfig, metrics: SnacMetrics) -> DecoderRunner:
+    """Load the model and the streaming decoder over it, and the runner that steps them."""
     decoder = build_decoder(config.model, config.resolved_device, config.dtype, config.max_batch)
     metrics.decoder_snr_db.set(decoder.snr_db)
     streaming = StreamingDecoder(decoder, num_slots=config.max_streams)
     if streaming.delay != STREAMING_DELAY_SAMPLES:  # clients time their stall detector by the contract's figure
         raise ValueError(f"{config.model} decodes with a delay of {streaming.delay} samples, the contract says {STREAMING_DELAY_SAMPLES}")
-    runner = DecoderRunner(decoder, streaming, config.max_batch, config.frame_buckets, config.cuda_graphs, config.max_step_frames)
+    return DecoderRunner(decoder, streaming, config.max_batch, config.frame_buckets, config.cuda_graphs, config.max_step_frames)
+
+
+def build_server(config: SnacServerConfig, runner: DecoderRunner | None = None) -> tuple[SnacServer, int]:
+    """Wire every part around the runner (the model's, unless a benchmark passes its double);
+    returns the server and its bound gRPC port."""
+    metrics = SnacMetrics()
+    runner = runner or build_runner(config, metrics)
     batcher = MicroBatcher(runner, config.max_batch, config.max_wait_ms / 1000.0, metrics)
-    service = CodecService(config, batcher, metrics, streaming.delay)
+    service = CodecService(config, batcher, metrics, STREAMING_DELAY_SAMPLES)
     options = [
         ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
         ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)),
@@ -162,9 +173,9 @@ def _tls_mode(config: SnacServerConfig) -> str:
     return " (TLS, client certificates required)" if config.tls_client_ca else " (TLS)"
 
 
-async def serve(config: SnacServerConfig) -> None:
+async def serve(config: SnacServerConfig, runner: DecoderRunner | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain in-flight streams and exit."""
-    server, port = build_server(config)
+    server, port = build_server(config, runner)
     await server.start()
     log.info(
         "snac-server on %s:%d%s (model %s, device %s, dtype %s), metrics on :%s",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import logging
 import os
@@ -352,3 +353,15 @@ async def test_input_text_is_logged_only_when_asked(snac_server, caplog):
     async with serving(snac_server, log_input_text=True) as served, httpx.AsyncClient(base_url=served.url) as client:
         assert (await client.post("/v1/audio/speech", json=body(SECRET_TEXT), timeout=30)).status_code == 200
     assert SECRET_TEXT in caplog.text
+
+
+# --- the worker process ----------------------------------------------------------------------
+
+
+async def test_the_startup_heap_is_out_of_the_collectors_sight_once_serving(snac_server):
+    """Torch, transformers and the engine's client, loaded at start-up, are frozen out of the cyclic
+    GC: unfrozen, every full collection stalled all of a worker's streams for 300+ ms
+    (benchmarks/serving_cpu.py at 256 streams)."""
+    gc.unfreeze()
+    async with serving(snac_server):
+        assert gc.get_freeze_count() > 0

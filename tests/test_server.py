@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import numpy as np
@@ -10,10 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import random_frames
+from conftest import random_frames, server_config
 from codec_contract.api import codec_pb2
 from codec_contract.client import END_REQUEST, decode, frames_request, header_request, paced_requests
 from codec_contract.audio import FRAME_SAMPLES
+from snac_server.server import build_server
 
 
 async def _decode(stub, frames, seed=1, policy="streaming", per_message=1, interval=0.0, **header):
@@ -183,3 +185,15 @@ async def test_health_reflection_and_metrics(snac_server):
     for name in ("snac_batch_size", "snac_queue_wait_seconds", "snac_decode_step_seconds", "snac_active_streams",
                  "snac_decoded_frames_total", "snac_emitted_frames_total", "snac_state_slots_in_use"):
         assert name in body
+
+
+async def test_the_startup_heap_is_out_of_the_collectors_sight_once_serving():
+    """The model and libraries are frozen out of the cyclic GC once the replica serves: a full
+    collection then skips them, and its pauses on the event loop stay short."""
+    gc.unfreeze()
+    server, _ = build_server(server_config(metrics_port=-1, max_streams=4))
+    await server.start()
+    try:
+        assert gc.get_freeze_count() > 0
+    finally:
+        await server.stop(grace_s=0)

