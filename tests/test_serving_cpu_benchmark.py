@@ -1,0 +1,27 @@
+"""Smoke test of benchmarks/serving_cpu.py: the worker and codec replica with their doubles start,
+serve a level, and the JSON and plot are written. Figures are not asserted beyond being counted:
+performance is claimed from benchmark runs, never from timed tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "serving_cpu.py"
+
+
+def test_a_small_level_writes_its_figures(tmp_path):
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--streams", "2", "--seconds", "3", "--frames", "12",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (level,) = result["levels"]
+    assert level["streams"] == 2 and level["errors"] == 0 and level["requests"] >= 2
+    # the worker counted the engine double's tokens, the replica the frames it decoded
+    assert level["tokens"] > 0 and level["codec_frames"] > 0
+    assert level["worker_us_per_token"] > 0 and level["codec_us_per_frame"] > 0
+    assert set(level["cores"]) == {"worker", "codec", "client"}
+    assert out.with_suffix(".png").stat().st_size > 0
