@@ -83,6 +83,24 @@ async def test_tokens_come_a_frame_at_a_time(engine):
     assert all(s % CODES_PER_FRAME == 0 for s in sizes[1:-1]), sizes
 
 
+async def test_a_frame_at_a_time_hands_over_the_same_tokens_as_one_at_a_time(engine):
+    """Handing tokens over a frame at a time changes when they arrive, never which: the same seeded
+    request gives the same tokens as with vLLM's default of one per output, so the same frames and PCM."""
+    from vllm.inputs import TokensPrompt
+
+    sampling = Sampling(max_tokens=7 * 10 + 1, seed=11)
+    by_frame = await _generate(engine, sampling, "same-by-frame")
+    params = engine._params(sampling)
+    params.stream_interval = 1
+    one_by_one: list[int] = []
+    sizes = []
+    async for output in engine._engine.generate(TokensPrompt(prompt_token_ids=PROMPT), params, "same-one-by-one"):
+        sizes.append(len(output.outputs[0].token_ids))
+        one_by_one += output.outputs[0].token_ids
+    assert len(sizes) > 20, "the reference run really got its 71 tokens in many small outputs (a frame at a time: 11)"
+    assert by_frame == one_by_one and len(by_frame) > 7
+
+
 async def test_closing_the_stream_aborts_the_request(engine):
     stream = engine.generate(PROMPT, Sampling(max_tokens=700, seed=1), "abort-me")
     await stream.__anext__()
