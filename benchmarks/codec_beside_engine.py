@@ -36,6 +36,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from concurrency_bench.stack import free_block, stop_tree
 from provenance import cpu_model, git_commit, timestamp, versions
 
 from codec_contract.audio import CODEBOOK_SIZE
@@ -56,7 +57,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=3, help="runs of each case")
     p.add_argument("--model", default="tiny", help="the worker's --model")
     p.add_argument("--device", default="cpu", help="the worker's and the replica's device")
-    p.add_argument("--port", type=int, default=50390, help="the codec replicas' first port (two are used)")
+    p.add_argument("--port", type=int, default=0, help="the codec replicas' first port (two are used; 0: free ones)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "codec_beside_engine-cpu.json")
     return p.parse_args(argv)
 
@@ -97,8 +98,8 @@ async def generate(runtime: Runtime, seed: int) -> float:
 
 
 def summary(arrivals: list[float], generation_s: float | None) -> dict:
-    gaps = np.diff([0.0, *arrivals])
-    return {"first_chunk_s": round(arrivals[0], 3), "longest_gap_s": round(float(gaps.max()), 3),
+    gaps = np.diff(arrivals)  # between chunks: the wait for the first one is first_chunk_s
+    return {"first_chunk_s": round(arrivals[0], 3), "longest_gap_s": round(float(gaps.max()), 3) if len(gaps) else None,
             "chunks": len(arrivals), "last_chunk_s": round(arrivals[-1], 3),
             "generation_s": None if generation_s is None else round(generation_s, 3),
             "arrivals_s": [round(a, 3) for a in arrivals]}
@@ -113,15 +114,20 @@ async def run_case(runtime: Runtime, codec: CodecClient, generating: bool, seed:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    replicas = [start_replica(args.port, args.device, own_session=False),
-                start_replica(args.port + 1, args.device, own_session=True)]
-    runtime = await Runtime.start(llm_config_from_cli(
-        ["--snac", f"127.0.0.1:{args.port}", "--model", args.model, "--device", args.device,
-         "--max-model-len", "1024", "--enforce-eager", "true"]))
-    apart = CodecClient(codec_client_config(llm_config_from_cli(["--snac", f"127.0.0.1:{args.port + 1}"])))
+    port = args.port or free_block(2, set())
+    replicas = [start_replica(port, args.device, own_session=False)]
+    runtime = apart = None
     try:
-        for codec in (runtime.codec, apart):
+        replicas.append(start_replica(port + 1, args.device, own_session=True))
+        runtime = await Runtime.start(llm_config_from_cli(
+            ["--snac", f"127.0.0.1:{port}", "--model", args.model, "--device", args.device,
+             "--max-model-len", "1024", "--enforce-eager", "true"]))
+        apart = CodecClient(codec_client_config(llm_config_from_cli(["--snac", f"127.0.0.1:{port + 1}"])))
+        for codec, replica in zip((runtime.codec, apart), replicas):
+            deadline = time.monotonic() + 300
             while not await codec.ready(timeout_s=5.0):
+                if replica.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"codec replica {replica.args[3:]} did not become ready")
                 await asyncio.sleep(0.5)
         await generate(runtime, 0)  # warm the engine: first-request costs are not the question
         plan = {"alone": (runtime.codec, False), "beside_generation": (runtime.codec, True),
@@ -143,11 +149,12 @@ async def main_async(args: argparse.Namespace) -> dict:
             "cases": cases,
         }
     finally:
-        await apart.close()
-        await runtime.stop()
+        if apart is not None:
+            await apart.close()
+        if runtime is not None:
+            await runtime.stop()
         for replica in replicas:
-            replica.terminate()
-            replica.wait(30)
+            stop_tree(replica, 30)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

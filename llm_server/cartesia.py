@@ -30,7 +30,7 @@ from codec_contract.audio import SAMPLE_RATE
 
 from .encoding import AudioOutput, UnsupportedOutput
 from .errors import ApiError
-from .openai_speech import check_text, refused_error, trim_of
+from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec, Words
 from .speech import SegmentEnd
 from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
@@ -249,21 +249,9 @@ async def cartesia_websocket(ws: WebSocket) -> None:
 @router.post("/tts/bytes")
 async def cartesia_bytes(request: Request) -> StreamingResponse:
     """One transcript, its audio streamed as the bytes come (raw, wav or mp3)."""
-    runtime = request.app.state.runtime
+    message = await text_body(request, "transcript")
     try:
-        message = await request.json()
-    except ValueError:
-        raise ApiError(400, "request body is not valid JSON") from None
-    if not isinstance(message, dict) or not isinstance(message.get("transcript"), str):
-        raise ApiError(400, "the body needs a transcript (a string)", "transcript")
-    check_text(message["transcript"], runtime.config, "transcript")
-    try:
-        spec = spec_of(message, runtime, containers=("raw", "wav", "mp3"))
+        spec = spec_of(message, request.app.state.runtime, containers=("raw", "wav", "mp3"))
     except Refusal as exc:
         raise ApiError(exc.status, str(exc), "output_format") from None
-    try:
-        session = SpeechSession.open(runtime, spec, getattr(request.state, "api_key", None), f"cartesia-bytes-{uuid.uuid4().hex[:16]}")
-    except Refused as exc:
-        raise refused_error(exc) from None
-    session.say(message["transcript"])
-    return StreamingResponse(session.encoded_bytes(), media_type=spec.output.media_type)
+    return speak_whole(request, spec, message["transcript"], "cartesia-bytes")

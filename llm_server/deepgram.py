@@ -28,7 +28,7 @@ from codec_contract.audio import SAMPLE_RATE
 
 from .encoding import AudioOutput, UnsupportedOutput
 from .errors import ApiError
-from .openai_speech import check_text, refused_error, trim_of
+from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
 from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
 
@@ -198,10 +198,16 @@ class DeepgramSocket:
         self.groups = asyncio.Queue()
 
     async def _warning(self, code: str, text: str) -> None:
-        await self.out.tell({"type": "Warning", "warn_code": code, "warn_msg": text, "description": text})
+        await self.out.tell(_message("Warning", code, text))
 
     async def _error(self, code: str, text: str) -> None:
-        await self.out.tell({"type": "Error", "err_code": code, "err_msg": text, "description": text})
+        await self.out.tell(_message("Error", code, text))
+
+
+def _message(kind: str, code: str, text: str) -> dict:
+    """Deepgram's Warning or Error: {type, warn_code|err_code, warn_msg|err_msg, description}."""
+    prefix = "warn" if kind == "Warning" else "err"
+    return {"type": kind, f"{prefix}_code": code, f"{prefix}_msg": text, "description": text}
 
 
 @router.websocket("/v1/speak")
@@ -214,7 +220,7 @@ async def deepgram_websocket(ws: WebSocket) -> None:
         settings = settings_of(ws.query_params, runtime.config, SOCKET_ENCODINGS)
     except BadQuery as exc:
         out = SocketWriter(ws)
-        await out.tell({"type": "Error", "err_code": "INVALID_QUERY_PARAMETER", "err_msg": str(exc), "description": str(exc)})
+        await out.tell(_message("Error", "INVALID_QUERY_PARAMETER", str(exc)))
         await out.close(1008, "invalid query parameter")
         return
     await DeepgramSocket(ws, runtime, ws.scope.get("state", {}).get("api_key"), settings).run()
@@ -223,23 +229,13 @@ async def deepgram_websocket(ws: WebSocket) -> None:
 @router.post("/v1/speak")
 async def deepgram_http(request: Request) -> StreamingResponse:
     """`{"text"}` in, its audio streamed as the bytes come."""
-    runtime = request.app.state.runtime
+    config = request.app.state.runtime.config
     try:
-        settings = settings_of(request.query_params, runtime.config, HTTP_ENCODINGS)
-        body = await request.json()
+        settings = settings_of(request.query_params, config, HTTP_ENCODINGS)
     except BadQuery as exc:
         raise ApiError(400, str(exc)) from None
-    except ValueError:
-        raise ApiError(400, "request body is not valid JSON") from None
-    if not isinstance(body, dict) or not isinstance(body.get("text"), str):
-        raise ApiError(400, "the body needs text (a string)", "text")
-    check_text(body["text"], runtime.config, "text")
+    body = await text_body(request, "text")
     if settings.warning:
         log.info("deepgram speak: %s", settings.warning)
-    spec = SpeechSpec(settings.voice, random.getrandbits(31), settings.output, trim_of(runtime.config))
-    try:
-        session = SpeechSession.open(runtime, spec, getattr(request.state, "api_key", None), f"deepgram-{uuid.uuid4().hex[:16]}")
-    except Refused as exc:
-        raise refused_error(exc) from None
-    session.say(body["text"])
-    return StreamingResponse(session.encoded_bytes(), media_type=spec.output.media_type)
+    spec = SpeechSpec(settings.voice, random.getrandbits(31), settings.output, trim_of(config))
+    return speak_whole(request, spec, body["text"], "deepgram")

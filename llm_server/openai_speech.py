@@ -98,6 +98,30 @@ def refused_error(exc: Refused) -> ApiError:
     return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
+async def text_body(request: Request, field: str) -> dict:
+    """A JSON object with a text `field`, checked as every front door checks text (the WebSocket
+    protocols' HTTP twins)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get(field), str):
+        raise ApiError(400, f"the body needs {field} (a string)", field)
+    check_text(body[field], request.app.state.runtime.config, field)
+    return body
+
+
+def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str) -> StreamingResponse:
+    """Speak all of `text` and stream the bytes as they come; a full worker refuses with 429."""
+    try:
+        session = SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
+                                     f"{name}-{uuid.uuid4().hex[:16]}")
+    except Refused as exc:
+        raise refused_error(exc) from None
+    session.say(text)
+    return StreamingResponse(session.encoded_bytes(), media_type=spec.output.media_type)
+
+
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechBody, request: Request) -> Response:
     runtime = request.app.state.runtime

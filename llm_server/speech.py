@@ -37,11 +37,10 @@ class SpeechJob:
 
 @dataclass(frozen=True)
 class SegmentEnd:
-    """All the audio of segment `index` (its `text`, `samples` long) has been handed out."""
+    """All the audio of segment `index` (its `text`) has been handed out."""
 
     index: int
     text: str
-    samples: int
 
 
 class SpeechStream:
@@ -58,7 +57,7 @@ class SpeechStream:
         self._texts: asyncio.Queue[str | None] = asyncio.Queue()
         self._codecs: asyncio.Queue[tuple[str, CodecStream] | None] = asyncio.Queue()
         self._live: set[CodecStream] = set()
-        self._producer = asyncio.create_task(pipeline.produce(self))
+        self._producer = asyncio.create_task(self._produce(pipeline))
         self._producer.add_done_callback(self._wake_on_failure)
 
     def add(self, text: str) -> None:
@@ -78,17 +77,15 @@ class SpeechStream:
                     await self._producer  # re-raises a failure before any codec stream opened
                 return
             text, codec = item
-            samples = 0
             try:
                 async for chunk in codec.chunks():
-                    samples += chunk.num_samples
                     yield chunk
             except CodecError:
                 self._raise_producer_failure()
                 raise
             finally:
                 self._live.discard(codec)
-            yield SegmentEnd(index, text, samples)
+            yield SegmentEnd(index, text)
             index += 1
 
     def cancel(self) -> None:
@@ -102,9 +99,18 @@ class SpeechStream:
         self.cancel()
         await asyncio.gather(self._producer, return_exceptions=True)
 
-    def _next_codec(self, codec: CodecStream, text: str) -> None:
-        self._live.add(codec)
-        self._codecs.put_nowait((text, codec))
+    async def _produce(self, pipeline: SpeechPipeline) -> None:
+        """Generate every segment in order, each into a codec stream queued for audio() as it starts."""
+        index = 0
+        while (text := await self._texts.get()) is not None:
+            seed = (self.job.seed + index) & 0x7FFFFFFF
+            request_id = f"{self.job.request_id}-{index}"
+            codec = pipeline.codec.stream(seed, request_id)
+            self._live.add(codec)
+            self._codecs.put_nowait((text, codec))
+            await pipeline.generate(self, codec, text, seed, request_id)
+            index += 1
+        self._codecs.put_nowait(None)
 
     def _wake_on_failure(self, producer: asyncio.Task) -> None:
         """A failed producer cancels the codec streams, and an idle reader gets the end: nobody waits forever."""
@@ -134,19 +140,8 @@ class SpeechPipeline:
         """Begin a stream; add() its segments, iterate audio() for PCM."""
         return SpeechStream(self, job)
 
-    async def produce(self, out: SpeechStream) -> None:
-        """Generate every segment in order, sending its frames to its codec stream as they complete."""
-        job = out.job
-        index = 0
-        while (text := await out._texts.get()) is not None:
-            seed = (job.seed + index) & 0x7FFFFFFF
-            codec = self.codec.stream(seed, f"{job.request_id}-{index}")
-            out._next_codec(codec, text)
-            await self._generate(out, codec, text, seed, f"{job.request_id}-{index}")
-            index += 1
-        out._codecs.put_nowait(None)
-
-    async def _generate(self, out: SpeechStream, codec: CodecStream, text: str, seed: int, request_id: str) -> None:
+    async def generate(self, out: SpeechStream, codec: CodecStream, text: str, seed: int, request_id: str) -> None:
+        """One segment: its engine request, its frames sent to `codec` as they complete, then the end."""
         ids = prompt_ids(self._tokenizer, out.job.voice, text)
         out.prompt_tokens += len(ids)
         assembler = FrameAssembler()

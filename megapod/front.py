@@ -25,6 +25,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from llm_server.errors import error_response
+from llm_server.ws_util import TRY_AGAIN_LATER
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 _PASSED_HEADERS = ("authorization", "x-api-key", "x-request-id")
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
-TRY_AGAIN_LATER = 1013
 
 
 class WorkerPool:

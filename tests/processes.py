@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +18,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
+
+
+def free_block(n: int) -> int:
+    """A base port with n free consecutive ports after it."""
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError("no free port block")
 
 
 def free_port() -> int:

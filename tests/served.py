@@ -42,14 +42,12 @@ class ScriptedEngineDouble:
         self.fail_after_frames = fail_after_frames
         self.fail_gate = asyncio.Event()
         self.live = 0  # generators started and not yet finalized
-        self.started = 0
 
     async def start(self) -> None:
         pass
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
         self.live += 1
-        self.started += 1
         rng = random.Random(request_id)
         try:
             sent = 0
@@ -177,6 +175,3 @@ async def baseline(served: Served, snac_server) -> set[asyncio.Task]:
         served.engine.frames = frames
     await asyncio.sleep(0.3)
     return pending_tasks()
-
-
-# --- raw HTTP over a socket we control (buffer sizes, when to read) ---------------------------

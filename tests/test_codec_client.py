@@ -75,6 +75,13 @@ def _served(server) -> float:
     return server.metrics.registry.get_sample_value("snac_streams_total", {"outcome": "ok"}) or 0.0
 
 
+def _streams(server) -> float:
+    """Decode streams a replica has finished, whatever their outcome."""
+    registry = server.metrics.registry
+    return sum(registry.get_sample_value("snac_streams_total", {"outcome": o}) or 0.0
+               for o in ("ok", "cancelled", "error", "refused"))
+
+
 async def test_streams_spread_over_both_replicas(replicas):
     """Round robin reaches both replicas. It picks among connected replicas only, and the second may
     still be connecting when the first streams start, so rounds go on until both served one."""
@@ -136,13 +143,15 @@ async def test_a_stream_opens_its_call_when_its_audio_is_read(replicas):
     """A speech stream generates its next sentence while the current one plays: frames sent to a
     stream nobody reads yet are kept, not decoded, so they take neither codec time nor a decoder slot."""
     client = _client(replicas)
+    before = [_streams(s) for s in replicas]
     frames = random_frames(12, seed=7)
     ahead = client.stream(5)
     await ahead.send(frames[:6])
     await ahead.send(frames[6:])
     await ahead.end()
     await asyncio.sleep(0.2)
-    assert [s.service.active for s in replicas] == [0, 0], "no call before its audio is wanted"
+    # No call open now, and none opened and finished meanwhile.
+    assert [(s.service.active, _streams(s)) for s in replicas] == [(0, b) for b in before], "no call before its audio is wanted"
     chunks = [chunk async for chunk in ahead.chunks()]
     audio = np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
     reference, _, _ = await _run(client, frames, seed=5)  # read while sent: rows split differently

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,28 +18,14 @@ import httpx
 import openai
 import pytest
 
-from processes import scrape
-
-
-def _free_block(n: int) -> int:
-    """A base port with n free consecutive ports after it."""
-    for _ in range(100):
-        base = random.randint(20000, 60000)
-        try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return base
-    raise RuntimeError("no free port block")
+from processes import free_block, scrape
 
 
 @pytest.fixture(scope="module")
 def megapod(tmp_path_factory):
     """`megapod up` with 2 workers and 2 replicas, exactly as a user runs it."""
     logs = tmp_path_factory.mktemp("megapod-logs")
-    base = _free_block(8)
+    base = free_block(8)
     ports = {"front": base, "workers": base + 1, "snac": base + 3, "metrics": base + 5}
     out = (logs / "up.log").open("w")
     proc = subprocess.Popen(

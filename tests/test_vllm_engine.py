@@ -160,7 +160,14 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     pcm = b"".join(item.pcm for item in items if isinstance(item, AudioChunk))
     ends = [item for item in items if isinstance(item, SegmentEnd)]
     assert [e.text for e in ends] == ["First one here.", "Then the second.", "And a third at last."]
-    assert sum(e.samples for e in ends) * 2 == len(pcm), "each segment's audio, then its end"
+    per_segment, current = [], 0  # the audio between one SegmentEnd and the next
+    for item in items:
+        if isinstance(item, SegmentEnd):
+            per_segment, current = [*per_segment, current], 0
+        else:
+            current += len(item.pcm)
+    assert isinstance(items[-1], SegmentEnd) and sum(per_segment) == len(pcm), "each segment's audio, then its end"
+    assert all(n > 0 and n % (2048 * 2) == 0 for n in per_segment), per_segment
     spoken = [tokenizer.decode(p[2:-4]) for p in recorder.prompts]
     assert spoken == ["tara: First one here.", "tara: Then the second.", "tara: And a third at last."]
     assert len(pcm) > 0 and len(pcm) % (2048 * 2) == 0

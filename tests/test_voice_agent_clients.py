@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from megapod.topology import MegaPodConfig
-from processes import free_port
+from processes import free_block
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
@@ -27,7 +27,8 @@ CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
 def stack(tmp_path_factory):
     """`megapod up` on free ports, as a user runs it."""
     logs = tmp_path_factory.mktemp("client-stack")
-    ports = [free_port() for _ in range(4)]
+    base = free_block(6)  # front, worker, two codec replicas and their metrics ports
+    ports = [base, base + 1, base + 2, base + 4]
     config = MegaPodConfig(workers=1, replicas=2, front_port=ports[0], worker_base_port=ports[1],
                            snac_base_port=ports[2], snac_metrics_base_port=ports[3])
     flags = ["--workers", "1", "--replicas", "2", "--front-port", str(ports[0]), "--worker-base-port", str(ports[1]),

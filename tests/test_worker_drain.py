@@ -65,6 +65,8 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(worker):
             time.sleep(0.05)  # the listener closes within a tick of the signal
         except httpx.ConnectError:
             refused = True
+        except httpx.TimeoutException:  # accepted just before the listener closed, on a busy CPU: ask again
+            pass
     assert refused, "new connections still accepted while draining"
     assert in_flight_at_signal, "the stream ended before the signal: nothing to drain"
 

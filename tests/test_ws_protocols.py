@@ -102,6 +102,7 @@ async def test_cartesia_cancel_stops_the_audio_and_frees_everything(snac_server)
             assert await settled(served, snac_server, quiet, count_tasks=False) == NOTHING_HELD
             await ws.send(cartesia("next", "Still serving.", more=False))  # the socket carries on
             assert (await until_done(ws, {"next"}))["next"][-1]["type"] == "done"
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD  # the socket's tasks too, once it closed
     assert served.outcome("cancelled") == 1
 
 
@@ -211,6 +212,7 @@ async def test_deepgram_clear_stops_the_audio_and_frees_everything(snac_server):
             with pytest.raises(ConnectionClosed):
                 while True:
                     await ws.recv()
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD  # the socket's tasks too, once it closed
 
 
 async def test_a_bad_query_is_an_error_message_then_a_close(snac_server):

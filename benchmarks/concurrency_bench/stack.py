@@ -143,7 +143,7 @@ class LocalStack:
         self.remember()
         out = {"codec": 0.0, "llm": 0.0, "other": 0.0}
         for proc in self.procs.values():
-            out[_tier(proc)] += _cpu_seconds(proc)
+            out[_tier(proc)] += cpu_seconds(proc)
         return out
 
     def gpus(self) -> int:
@@ -214,7 +214,27 @@ def _tier(proc: psutil.Process) -> str:
     return "codec" if "snac_server" in cmdline else "llm" if "llm_server" in cmdline or "EngineCore" in proc.name() else "other"
 
 
-def _cpu_seconds(proc: psutil.Process) -> float:
+def stop_tree(popen: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM a process started here (servers drain on it), then SIGKILL whatever of its tree is left."""
+    try:
+        tree = [psutil.Process(popen.pid), *psutil.Process(popen.pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in tree:
+        try:
+            proc.kill()  # psutil refuses a pid reused by another process
+        except psutil.Error:
+            pass
+    popen.wait()
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
     """User + system CPU seconds of a live process; 0 when it is gone."""
     try:
         t = proc.cpu_times()

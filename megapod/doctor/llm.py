@@ -91,7 +91,7 @@ async def step_time_ms(engine: VllmEngine, prompt: list[int], batch: int, tokens
     per_token = []
     for _, times in runs:
         inside = [t for t in times if start <= t <= end]
-        later = sum(1 for t in inside if inside and t > inside[0])  # tokens after the window's first arrival
+        later = sum(1 for t in inside if t > inside[0]) if inside else 0  # tokens after the window's first arrival
         if later:
             per_token.append((inside[-1] - inside[0]) / later)
     return 1000.0 * statistics.median(per_token) if per_token else float("nan")
