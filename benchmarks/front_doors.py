@@ -34,6 +34,7 @@ from websockets.asyncio.client import connect
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
+from concurrency_bench.flood import flood
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, percentiles
 from concurrency_bench.stack import LocalStack, gauge
 from provenance import record
@@ -91,17 +92,6 @@ async def hold(client: httpx.AsyncClient, url: str, admitted: asyncio.Event, see
     return received
 
 
-async def knock(client: httpx.AsyncClient, url: str) -> tuple[float, int | str]:
-    """Latency and status of one over-cap request (the exception's name when there was no answer)."""
-    body = {"model": "tts-1", "input": "Over the cap.", "voice": "leo", "response_format": "pcm"}
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as reply:
-            return time.perf_counter() - t0, reply.status_code
-    except httpx.HTTPError as exc:
-        return time.perf_counter() - t0, type(exc).__name__
-
-
 async def ping(client: httpx.AsyncClient, url: str) -> float:
     t0 = time.perf_counter()
     (await client.get(f"{url}/health")).raise_for_status()
@@ -122,10 +112,10 @@ async def measure_refusal(stack: LocalStack, bursts: int, burst: int) -> dict:
         for _ in range(bursts):
             if any(h.done() for h in holders):
                 break  # a slot freed: later knocks would be admitted, not refused
-            *knocked, a, b = await asyncio.gather(*(knock(client, worker) for _ in range(burst)),
+            knocked, a, b = await asyncio.gather(flood(client, worker, burst, bursts=1),
                                                  ping(client, worker), ping(client, worker))
-            refusals += [latency for latency, _ in knocked]
-            statuses += [status for _, status in knocked]
+            refusals += [k.latency_s for k in knocked]
+            statuses += [k.status for k in knocked]
             pings += [a, b]
         held_bytes = await asyncio.gather(*holders)
     refused, health = summary(refusals), summary(pings)

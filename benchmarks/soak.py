@@ -58,6 +58,7 @@ for _path in (REPO_ROOT, BENCH_DIR):
 
 from concurrency_bench import report  # noqa: E402
 from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
+from concurrency_bench.flood import Knock, flood  # noqa: E402
 from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request  # noqa: E402
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles  # noqa: E402
 from concurrency_bench.stack import LocalStack, gauge, cpu_cores, cpu_snapshot  # noqa: E402
@@ -436,32 +437,23 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
                 s["bytes"] += len(data)
         s["ended"] = time.perf_counter()
 
-    async def knock(client: httpx.AsyncClient) -> tuple[int | str, float]:
-        t = time.perf_counter()
-        try:
-            async with client.stream("POST", f"{endpoint.url}/v1/audio/speech",
-                                     json=endpoint.body("Is there room for one more?", 1)) as reply:
-                return reply.status_code, time.perf_counter() - t  # a 200 (a slot freed as a stream ended) is left
-        except httpx.HTTPError as exc:
-            return type(exc).__name__, time.perf_counter() - t
-
     limits = httpx.Limits(max_connections=n + burst + 4, max_keepalive_connections=n + burst + 4)
-    knocks: list[tuple[int | str, float]] = []
+    knocks: list[Knock] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), limits=limits,
                                  trust_env=False) as client:
         tasks = [asyncio.create_task(speak(i, client)) for i in range(n)]
         if flooded:
             await asyncio.gather(*(e.wait() for e in admitted))
-            while not any(t.done() for t in tasks):
-                knocks += await asyncio.gather(*(knock(client) for _ in range(burst)))
+            knocks = await flood(client, endpoint.url, burst, stop=lambda: any(t.done() for t in tasks),
+                                 body=lambda _: endpoint.body("Is there room for one more?", 1))
         await asyncio.gather(*tasks)
     out = {"streams": [{"status": s["status"], "audio_s": round(s["bytes"] / BYTES_PER_AUDIO_S, 2),
                         "ttfa_s": round(s["first"] - s["sent"], 3) if s["first"] else None,
                         "wall_s_per_audio_s": round((s["ended"] - s["sent"]) / (s["bytes"] / BYTES_PER_AUDIO_S), 3)
                         if s["bytes"] else None} for s in streams]}
     if flooded:
-        out["flood"] = {"requests": len(knocks), "statuses": Counter(str(k) for k, _ in knocks),
-                        "latency_s": _rounded(percentiles([t for _, t in knocks], (50, 95, 100)), 4)}
+        out["flood"] = {"requests": len(knocks), "statuses": Counter(str(k.status) for k in knocks),
+                        "latency_s": _rounded(percentiles([k.latency_s for k in knocks], (50, 95, 100)), 4)}
     return out
 
 

@@ -18,14 +18,13 @@ import httpx
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-from concurrency_bench import metrics  # noqa: E402
-from concurrency_bench.corpus import load_corpus  # noqa: E402
-from concurrency_bench.levels import level_record, throughput  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape  # noqa: E402
-from concurrency_bench.metrics import Counts, Targets, Timeline  # noqa: E402
-from concurrency_bench.search import Search  # noqa: E402
+from concurrency_bench import metrics
+from concurrency_bench.corpus import load_corpus
+from concurrency_bench.levels import level_record, throughput
+from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape
+from concurrency_bench.metrics import Counts, Targets, Timeline
+from concurrency_bench.search import Search
 
 SECOND = 48_000  # bytes of one audio second
 

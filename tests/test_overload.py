@@ -22,6 +22,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from concurrency_bench.flood import flood
 from processes import llm_process, scrape, snac_process, wait_http_ready, wait_metric_zero, wait_snac_serving
 
 CAP = 2
@@ -49,11 +50,6 @@ def _context(context_id: str, text: str, more: bool) -> str:
                        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
 
 
-async def _knock(client: httpx.AsyncClient, url: str, k: int) -> httpx.Response:
-    body = {"model": "tts-1", "input": f"Flood request number {k}.", "voice": "leo", "response_format": "pcm"}
-    return await client.post(f"{url}/v1/audio/speech", json=body)
-
-
 async def _overload(url: str) -> dict:
     ws_url = url.replace("http://", "ws://") + "/tts/websocket"
     out: dict = {"audio": {}, "messages": {}}
@@ -66,9 +62,7 @@ async def _overload(url: str) -> dict:
             out["messages"][message["context_id"]].append(message)
         limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
         async with httpx.AsyncClient(timeout=60.0, limits=limits, trust_env=False) as client:
-            out["flood"] = []
-            for k in range(0, FLOOD_REQUESTS, BURST):
-                out["flood"] += await asyncio.gather(*(_knock(client, url, k + i) for i in range(BURST)))
+            out["flood"] = await flood(client, url, BURST, bursts=FLOOD_REQUESTS // BURST)
         await holder.send(_context("one-more", "One too many.", more=False))
         async with connect(ws_url) as late:
             with pytest.raises(ConnectionClosed) as closed:
@@ -102,10 +96,10 @@ def run(worker):
 
 def test_every_over_cap_request_is_refused_openai_shaped(run):
     assert len(run["flood"]) == FLOOD_REQUESTS
-    assert {r.status_code for r in run["flood"]} == {429}
-    for r in run["flood"]:
-        assert int(r.headers["retry-after"]) >= 1
-        error = r.json()["error"]
+    assert {k.status for k in run["flood"]} == {429}
+    for k in run["flood"]:
+        assert int(k.headers["retry-after"]) >= 1
+        error = json.loads(k.body)["error"]
         assert error["code"] == "rate_limit_exceeded" and error["type"] == "invalid_request_error"
         assert error["message"] and "param" in error
 
