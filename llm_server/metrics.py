@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 # Around what a voice agent feels: 100-300 ms to first audio is good, a second is bad.
 _TTFA_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+
+
+class VllmMetrics:
+    """vLLM's own metrics (vllm:*), which its Prometheus stat logger keeps in prometheus_client's
+    default registry, served beside the worker's: engine queue, KV-cache use, token latencies."""
+
+    def collect(self):
+        return (family for family in REGISTRY.collect() if family.name.startswith("vllm:"))
 
 
 class LlmMetrics:
@@ -38,6 +46,7 @@ class LlmMetrics:
         self.engine_queue.set_function(engine_unfinished)
         self.engine_info = Gauge("orpheus_engine_info", "What runs the model, as the engine reports it (value 1)",
                                  ["engine", "runner", "attention_backend", "trtllm_decode"], registry=r)
+        r.register(VllmMetrics())
 
     def describe_engine(self, description: dict[str, object]) -> None:
         """Publish the engine's own description as the labels of orpheus_engine_info."""

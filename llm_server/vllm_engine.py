@@ -85,6 +85,7 @@ class VllmEngine:
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         args = engine_args(self._config, self._model_dir)
         vllm_config = args.create_engine_config()
@@ -94,8 +95,10 @@ class VllmEngine:
             self._slot_sampler = False
         refuse_speculation_on_v1(vllm_config)
         # No per-request logging from vLLM: a prompt's ids spell out the input text, which stays
-        # out of logs (llm-server --log-input-text is the one switch for it).
-        self._engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True, enable_log_requests=False)
+        # out of logs (llm-server --log-input-text is the one switch for it). Its Prometheus stat
+        # logger only (no periodic log lines): the vllm:* metrics the worker's /metrics also serves.
+        self._engine = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger],
+                                                 disable_log_stats=True, enable_log_requests=False)
         runner = "V2" if vllm_config.use_v2_model_runner else "V1"
         self.attention = {"runner": runner, **(await self._engine.collective_rpc("megapod_attention"))[0]}
         log.info("vLLM engine up (%s runner); attention %s", runner, self.attention)

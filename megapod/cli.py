@@ -1,5 +1,6 @@
 """The `megapod` command: `up` runs a MegaPod here, `deploy` puts one on Kubernetes, `say` speaks through one,
-`doctor` checks a machine (its GPU, if it has one) and says how many streams it carries."""
+`doctor` checks a machine (its GPU, if it has one) and says how many streams it carries, `front` runs the
+front endpoint alone (the chart's front pods)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .front import create_front_app
+from .front import create_front_app, front_config_from_cli, serve_front
 from .gpu_layout import GpuLayoutError
 from .launcher import Launcher
 from .say import say
@@ -56,6 +57,7 @@ async def up(config: MegaPodConfig) -> None:
     front = _FrontServer(uvicorn.Config(
         create_front_app([f"http://{config.host}:{p}" for p in config.worker_ports()]),
         host=config.host, port=config.front_port, log_level="warning",
+        timeout_graceful_shutdown=int(config.grace_s),  # the drain budget of every tier
     ))
     try:
         starting = asyncio.create_task(launcher.start())
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="run a MegaPod on this machine (flags: megapod up --help)", add_help=False)
     sub.add_parser("deploy", help="deploy a MegaPod to Kubernetes (flags: megapod deploy --help)", add_help=False)
+    sub.add_parser("front", help="run the front endpoint alone, over given or resolved workers "
+                   "(flags: megapod front --help)", add_help=False)
     sub.add_parser("doctor", help="check this machine's GPU (or CPU) and measure it (flags: megapod doctor --help)",
                    add_help=False)
     speak = sub.add_parser("say", help="speak text through a running endpoint")
@@ -106,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(up(megapod_config_from_cli(argv[1:])))
         except GpuLayoutError as exc:
             sys.exit(f"megapod up: {exc}")
+        return
+    if argv and argv[0] == "front":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        serve_front(front_config_from_cli(argv[1:]))
         return
     if argv and argv[0] == "doctor":
         from .doctor import main as doctor_main  # torch and vLLM load only for the doctor

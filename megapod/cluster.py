@@ -26,6 +26,9 @@ MIG_INSTANCES_PER_GPU = {
 # A pod drains for longer than a local Ctrl-C (MegaPodConfig.grace_s = 15): an agent's reply of
 # up to a minute of audio finishes on the pod that started it.
 CLUSTER_GRACE_S = 60.0
+# How long a terminating pod keeps serving while its address leaves the Services' endpoints, DNS and
+# the load balancers (kube-proxy and ingress controllers learn of it a few seconds late).
+CLUSTER_ENDPOINT_DELAY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,9 @@ class ClusterProfile:
 
 
 def _cluster_megapod(**changes: object) -> MegaPodConfig:
-    """MegaPodConfig with real checkpoints and the cluster drain time; `megapod up` keeps its own defaults."""
-    base = {"llm_model": ORPHEUS_3B, "snac_model": SNAC_24KHZ, "grace_s": CLUSTER_GRACE_S}
+    """MegaPodConfig with real checkpoints and the cluster drain; `megapod up` keeps its own defaults."""
+    base = {"llm_model": ORPHEUS_3B, "snac_model": SNAC_24KHZ, "grace_s": CLUSTER_GRACE_S,
+            "endpoint_delay_s": CLUSTER_ENDPOINT_DELAY_S}
     return MegaPodConfig(**{**base, **changes})  # type: ignore[arg-type]
 
 

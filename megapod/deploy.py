@@ -25,7 +25,7 @@ KEEP_EXISTING = "orpheus-megapod/keep-existing"
 APPLY_ORDER = (
     "Namespace", "ServiceAccount", "Secret", "Certificate", "ConfigMap", "PersistentVolumeClaim", "Service",
     "NetworkPolicy", "PodDisruptionBudget", "Deployment", "HorizontalPodAutoscaler", "Ingress",
-    "ServiceMonitor",
+    "ServiceMonitor", "PodMonitor", "PrometheusRule",
 )
 # (apiVersion, kind) -> (KubeApis attribute, method suffix of its create_/patch_ calls)
 TYPED_KINDS = {
@@ -43,6 +43,8 @@ TYPED_KINDS = {
 }
 CUSTOM_PLURALS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
     ("cert-manager.io/v1", "Certificate"): "certificates",
 }
 

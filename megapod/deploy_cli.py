@@ -6,8 +6,9 @@
     megapod deploy --kustomize k8s/overlays/h100
     kubectl kustomize k8s/overlays/cpu | megapod deploy --manifest -
 
-The topology flags are MegaPodConfig fields (as in `megapod up`); their defaults are the
-profile's (megapod/cluster.py), and they reach the chart as values.
+The topology flags are the MegaPodConfig fields megapod/render.py passes to the chart, read as
+`megapod up` reads them (snac_server.config.add_field_flags); their defaults are the profile's
+(megapod/cluster.py).
 """
 
 from __future__ import annotations
@@ -15,33 +16,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import typing
 from pathlib import Path
 
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from snac_server.config import parse_value
+from snac_server.config import add_field_flags, field_values
 
 from .cluster import PROFILES, ClusterProfile
 from .deploy import DeployError, KubeApis, apply_all, deployments_of, describe, endpoints, wait_for_rollouts
 from .render import CHART, HelmRender, RenderError, dump_manifests, find_helm, kustomize, parse_manifests
 from .topology import MegaPodConfig
+from .values_schema import topology_values
 
-# The MegaPodConfig fields that shape a cluster deployment (host and local ports do not).
-TOPOLOGY_FIELDS = (
-    "workers", "replicas", "front_port", "snac_base_port", "snac_metrics_base_port", "llm_model", "snac_model",
-    "llm_device", "snac_device", "max_streams_per_worker", "snac_max_batch", "snac_max_wait_ms", "codec_policy",
-    "max_model_len", "enforce_eager", "grace_s",
-)
+# MegaPodConfig field -> the chart values it sets: exactly the fields render.chart_values passes
+# to the chart (host, local ports and GPU indices stay with `megapod up`).
+TOPOLOGY = topology_values()
 
 
-def _parse_bool(text: str) -> bool:
-    """A boolean flag read as `megapod up` and the servers read one (snac_server.config)."""
-    try:
-        return parse_value(bool, text)  # type: ignore[return-value]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _topology_help(f: dataclasses.Field) -> str:
+    defaults = {name: getattr(p.megapod, f.name) for name, p in sorted(PROFILES.items())}
+    shown = ", ".join(f"{k}: {v}" for k, v in defaults.items())
+    if len(set(defaults.values())) == 1:
+        shown = str(next(iter(defaults.values())))  # every profile's
+    return f"sets {', '.join(TOPOLOGY[f.name])} (default {shown})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,18 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-create-namespace", dest="create_namespace", action="store_false")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the rollouts")
     parser.add_argument("--context", help="kubeconfig context (default: the current one)")
-    topology = parser.add_argument_group("topology (MegaPodConfig fields; defaults from --profile)")
-    hints = typing.get_type_hints(MegaPodConfig)
-    for name in TOPOLOGY_FIELDS:
-        kind = _parse_bool if hints[name] is bool else hints[name]
-        topology.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, metavar=name.upper())
+    topology = parser.add_argument_group(
+        "topology", "MegaPodConfig fields, read as `megapod up` reads them; defaults are the --profile's")
+    add_field_flags(topology, MegaPodConfig, _topology_help, only=TOPOLOGY)
     return parser
 
 
 def profile_from_args(args: argparse.Namespace) -> ClusterProfile:
     """The chosen profile with the topology flags applied; ValueError when they do not fit."""
     profile = PROFILES[args.profile]
-    changes = {name: getattr(args, name) for name in TOPOLOGY_FIELDS if getattr(args, name) is not None}
+    changes = field_values(MegaPodConfig, argparse.Namespace(**{name: getattr(args, name) for name in TOPOLOGY}))
     if changes and (args.kustomize or args.manifest):
         raise ValueError("topology flags shape the Helm render only, not --kustomize or --manifest")
     return dataclasses.replace(profile, megapod=dataclasses.replace(profile.megapod, **changes))

@@ -12,9 +12,14 @@ keys are the workers' business: the front passes the headers each protocol authe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request, WebSocket
@@ -26,6 +31,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from llm_server.errors import error_response
 from llm_server.ws_util import TRY_AGAIN_LATER
+from snac_server.config import config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +43,147 @@ SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
 
 
-class WorkerPool:
-    """Active stream counts per worker; picks least active, rotating among ties."""
+@dataclass(frozen=True)
+class FrontConfig:
+    """Settings of a front run alone (`megapod front`); flags --field-name, variables MEGAPOD_FRONT_FIELD."""
 
-    def __init__(self, urls: list[str]) -> None:
-        self.urls = urls
-        self.active = {u: 0 for u in urls}
+    host: str = "0.0.0.0"
+    port: int = 8000
+    workers: str = ""  # worker base URLs, comma-separated: http://10.0.0.5:8000,...
+    workers_dns: str = ""  # or host:port of a headless Service: every address it resolves to is a worker
+    refresh_s: float = 5.0  # how often workers_dns is resolved again (pods come, go, get new addresses)
+    grace_s: float = 15.0  # SIGTERM: how long streams in flight may finish
+
+    def __post_init__(self) -> None:
+        if bool(self.workers) == bool(self.workers_dns):
+            raise ValueError("give either workers (URLs) or workers_dns (host:port), exactly one")
+        if self.workers_dns:
+            host, _, port = self.workers_dns.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"workers_dns is host:port, not {self.workers_dns!r}")
+        for url in self.worker_urls():
+            if not url.startswith("http://"):
+                raise ValueError(f"worker URLs are http://host:port, not {url!r}")
+        if self.refresh_s <= 0 or self.grace_s < 0:
+            raise ValueError("refresh_s must be > 0 and grace_s >= 0")
+
+    def worker_urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.workers.split(",") if u.strip()]
+
+
+class WorkerPool:
+    """Active stream counts per worker; picks least active, rotating among ties. The worker set may
+    change (update): a worker that leaves gets no new streams, and its streams in flight finish."""
+
+    def __init__(self, urls: Sequence[str], on_forget: Callable[[str], None] = lambda url: None) -> None:
+        self.urls = list(urls)
+        self.active = {u: 0 for u in self.urls}
         self._turn = itertools.count()
+        self._on_forget = on_forget  # a worker left and holds no stream any more
 
     def order(self) -> list[str]:
         """Workers to try, least active first (ties rotate so load spreads when all are idle)."""
+        if not self.urls:
+            return []
         start = next(self._turn) % len(self.urls)
         rotated = self.urls[start:] + self.urls[:start]
         return sorted(rotated, key=lambda u: self.active[u])
 
+    def update(self, urls: Sequence[str]) -> None:
+        """The current workers: new ones join at 0 streams; one that left is forgotten once idle."""
+        self.urls = list(urls)
+        for url in self.urls:
+            self.active.setdefault(url, 0)
+        for url in list(self.active):
+            self._forget_if_gone(url)
 
-def create_front_app(worker_urls: list[str]) -> FastAPI:
-    """The front app over the given worker base URLs (http://host:port)."""
-    pool = WorkerPool(worker_urls)
+    def acquire(self, url: str) -> None:
+        self.active[url] += 1
+
+    def release(self, url: str) -> None:
+        self.active[url] -= 1
+        self._forget_if_gone(url)
+
+    def _forget_if_gone(self, url: str) -> None:
+        if url not in self.urls and self.active[url] == 0:
+            del self.active[url]
+            self._on_forget(url)
+
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve_all(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to: for a headless Service, each ready pod's."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({info[4][0] for info in infos})
+
+
+def _url(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ipaddress.ip_address(address).version == 6 else f"http://{address}:{port}"
+
+
+class DnsWorkers:
+    """Keeps a WorkerPool equal to what a name resolves to, again every `refresh_s`.
+
+    Why DNS and not the Endpoints API: the headless Service's records are the ready pods (the
+    same rule the API's EndpointSlices follow), resolving needs no service account token, RBAC or
+    API server in the data path, and staleness costs nothing but a refused connect: a worker that
+    has left closes its listener, and the front tries the next one (see deploy/README.md).
+    """
+
+    def __init__(self, pool: WorkerPool, target: str, refresh_s: float, resolve: Resolver = resolve_all) -> None:
+        host, _, port = target.rpartition(":")
+        self.pool, self.host, self.port, self.refresh_s = pool, host, int(port), refresh_s
+        self._resolve = resolve
+
+    async def refresh(self) -> None:
+        try:
+            addresses = await self._resolve(self.host, self.port)
+        except socket.gaierror as exc:
+            if exc.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+                log.warning("cannot resolve %s (%s): keeping %d worker(s)", self.host, exc, len(self.pool.urls))
+                return
+            addresses = []  # the name has no records: no worker is ready
+        urls = [_url(a, self.port) for a in addresses]
+        if urls != self.pool.urls:
+            log.info("workers behind %s: %s", self.host, ", ".join(urls) or "none")
+        self.pool.update(urls)
+
+    async def run(self) -> None:
+        """Resolve again every refresh_s (after the first refresh, which the app awaits at start-up)."""
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+
+def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", refresh_s: float = 5.0,
+                     resolve: Resolver = resolve_all) -> FastAPI:
+    """The front app over the given worker base URLs (http://host:port), or over every address
+    `workers_dns` (host:port) resolves to, resolved again every refresh_s while the app runs."""
     registry = CollectorRegistry()
     active = Gauge("megapod_front_active_streams", "Streams relayed, per worker", ["worker"], registry=registry)
     routed = Counter("megapod_front_requests", "Speech requests by worker and status", ["worker", "status"], registry=registry)
+    pool = WorkerPool(worker_urls, on_forget=_forget_series(active, routed))
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
-    app = FastAPI(title="Orpheus MegaPod front")
+    discovery = DnsWorkers(pool, workers_dns, refresh_s, resolve) if workers_dns else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watching = None
+        if discovery is not None:
+            await discovery.refresh()  # workers known before the first request
+            watching = asyncio.create_task(discovery.run())
+        try:
+            yield
+        finally:
+            if watching is not None:
+                watching.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="Orpheus MegaPod front", lifespan=lifespan)
     app.state.pool = pool
+    app.state.draining = False  # set on SIGTERM (serve_front): /ready says 503 from then on
 
     async def speech(request: Request) -> Response:
         body = await _bounded_body(request)
@@ -68,27 +191,31 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        at_limit = False
         for url in pool.order():
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers), stream=True)
-            except httpx.HTTPError as exc:
+            except httpx.HTTPError as exc:  # refused (a worker that left or is draining): the next one
                 log.warning("worker %s unreachable: %s", url, exc)
                 continue
             routed.labels(url, str(upstream.status_code)).inc()
             if upstream.status_code == 429:
+                at_limit = True
                 await upstream.aclose()
                 continue
             return _relay(upstream, url, pool, active, request)
+        if not at_limit:
+            return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
         return error_response(429, "every worker is at its stream limit; retry shortly", code="rate_limit_exceeded",
                               headers={"Retry-After": "1"})
 
-    async def socket(ws: WebSocket) -> None:
+    async def relay_socket(ws: WebSocket) -> None:
         await _relay_socket(ws, pool, active)
 
     for path in SPEECH_POSTS:
         app.add_api_route(path, speech, methods=["POST"])
     for path in SOCKETS:
-        app.add_api_websocket_route(path, socket)
+        app.add_api_websocket_route(path, relay_socket)
 
     @app.get("/v1/voices")
     async def voices(request: Request) -> Response:
@@ -104,6 +231,8 @@ def create_front_app(worker_urls: list[str]) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
+        if app.state.draining:
+            return error_response(503, "draining: finishing in-flight streams before exit", code="not_ready")
         for url in pool.urls:
             try:
                 if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
@@ -148,7 +277,7 @@ async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, h
 def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, request: Request) -> StreamingResponse:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
     headers["x-megapod-worker"] = url
-    pool.active[url] += 1
+    pool.acquire(url)
     active.labels(url).inc()
 
     async def stream() -> AsyncIterator[bytes]:
@@ -159,8 +288,8 @@ def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, 
         finally:
             watcher.cancel()
             await upstream.aclose()
-            pool.active[url] -= 1
             active.labels(url).dec()
+            pool.release(url)
 
     return StreamingResponse(stream(), status_code=upstream.status_code, headers=headers)
 
@@ -192,13 +321,26 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
         await ws.close(TRY_AGAIN_LATER, "no worker reachable")
         return
     await ws.accept()
-    pool.active[url] += 1
+    pool.acquire(url)
     active.labels(url).inc()
     try:
         await _pump_both_ways(ws, upstream)
     finally:
-        pool.active[url] -= 1
         active.labels(url).dec()
+        pool.release(url)
+
+
+def _forget_series(*metrics: Gauge | Counter) -> Callable[[str], None]:
+    """Drop a departed worker's series: pod addresses come and go, and would pile up."""
+    def forget(url: str) -> None:
+        for metric in metrics:
+            (family,) = metric.collect()
+            # Label values in the metrics' own order: worker, then status where there is one.
+            series = {tuple(s.labels[n] for n in ("worker", "status") if n in s.labels) for s in family.samples}
+            for labels in series:
+                if labels[0] == url:
+                    metric.remove(*labels)
+    return forget
 
 
 async def _pump_both_ways(ws: WebSocket, upstream) -> None:
@@ -229,3 +371,23 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
             await ws.close(code)
         except (RuntimeError, WebSocketDisconnect, ConnectionClosed):
             pass
+
+
+def front_config_from_cli(argv: Sequence[str] | None) -> FrontConfig:
+    """`megapod front` flags over MEGAPOD_FRONT_* environment variables over defaults."""
+    return config_from_args(FrontConfig, argv, os.environ, "MEGAPOD_FRONT_", "megapod front")
+
+
+def serve_front(config: FrontConfig) -> None:
+    """Run the front alone until SIGTERM: it then stops accepting, says 503 on /ready, and lets
+    the streams in flight finish for up to grace_s (the worker's drain: llm_server/server.py)."""
+    import uvicorn
+
+    from llm_server.server import DrainingServer  # the worker's drain; imported here, not by `megapod say`
+
+    app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=None,
+                                           timeout_graceful_shutdown=int(config.grace_s), timeout_keep_alive=30))
+    server.run()
+    if not server.started:
+        raise SystemExit(3)

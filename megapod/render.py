@@ -50,7 +50,6 @@ def chart_values(profile: ClusterProfile) -> dict:
                 "gpuMemoryUtilization": pod.llm_gpu_memory_utilization,
                 "attentionBackend": pod.attention_backend,
                 "trtllmAttention": pod.trtllm_attention,
-                "graceS": pod.grace_s,
             },
         },
         "snac": {
@@ -64,10 +63,12 @@ def chart_values(profile: ClusterProfile) -> dict:
                 "maxBatch": pod.snac_max_batch,
                 "maxWaitMs": pod.snac_max_wait_ms,
                 "policy": pod.codec_policy,
-                "graceS": pod.grace_s,
             },
         },
+        "front": {"server": {"port": pod.front_port}},
         "service": {"port": pod.front_port},
+        # One drain budget for every tier: the servers' grace, preStop, terminationGracePeriodSeconds.
+        "drain": {"graceS": pod.grace_s, "endpointDelayS": pod.endpoint_delay_s},
     }
 
 

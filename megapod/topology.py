@@ -45,7 +45,10 @@ class MegaPodConfig:
     codec_policy: str = "streaming"  # streaming | reference (for comparison)
     max_model_len: int = 2048
     enforce_eager: bool = False
-    grace_s: float = 15.0  # drain time on stop, per tier
+    grace_s: float = 15.0  # drain budget of every tier (workers, codec replicas, front): streams in flight finish
+    # Cluster only (the chart's preStop): how long a terminating pod keeps serving while its address
+    # leaves the Services' endpoints and DNS. On one machine nothing routes by endpoints: 0.
+    endpoint_delay_s: float = 0.0
     restart_dead: bool = True  # the launcher restarts a process that dies
 
     def __post_init__(self) -> None:
@@ -56,6 +59,8 @@ class MegaPodConfig:
         for name in ("llm_device", "snac_device"):
             if getattr(self, name) not in ("auto", "cuda", "cpu"):
                 raise ValueError(f"{name} is auto, cuda or cpu (choose GPUs with llm_gpus/snac_gpu), not {getattr(self, name)!r}")
+        if self.grace_s < 0 or self.endpoint_delay_s < 0:
+            raise ValueError("grace_s and endpoint_delay_s are seconds, >= 0")
         if not 0 < self.llm_gpu_memory_utilization <= 1:
             raise ValueError("llm_gpu_memory_utilization must be in (0, 1]")
 

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from codec_contract.audio import POLICIES
@@ -25,6 +25,9 @@ class SnacServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051  # 0 picks a free port (tests)
     metrics_port: int = 9091  # Prometheus /metrics over HTTP; -1 disables, 0 picks a free port
+    # Plaintext grpc.health.v1 only (no Decode), for the kubelet's gRPC probes, which cannot speak TLS:
+    # the same statuses as `port`. -1 disables (like metrics_port), 0 picks a free port.
+    health_port: int = -1
     model: str = "random-24khz"  # local dir, Hugging Face id, or random-24khz (no download)
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     dtype: str = "float32"
@@ -50,6 +53,10 @@ class SnacServerConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {self.policy!r}")
+        if self.health_port < -1 or self.metrics_port < -1:
+            raise ValueError("health_port and metrics_port are a port, 0 (a free one) or -1 (off)")
+        if self.health_port > 0 and self.health_port == self.port:
+            raise ValueError(f"health_port must differ from port ({self.port}): it serves health checks only")
         if self.max_batch < 1 or self.max_streams < 1 or self.max_wait_ms < 0 or self.max_step_frames < 0:
             raise ValueError("max_batch and max_streams must be >= 1, max_wait_ms and max_step_frames >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -70,7 +77,7 @@ class SnacServerConfig:
 
 
 def parse_value(kind: object, text: str) -> object:
-    """One flag or env value as the field type `kind` (also used by `megapod deploy`)."""
+    """One flag or env value as the field type `kind`."""
     if kind is bool:
         if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"not a boolean: {text!r}")
@@ -81,32 +88,44 @@ def parse_value(kind: object, text: str) -> object:
     return kind(text)  # type: ignore[operator]
 
 
-def config_from_args(cls: type, argv: Sequence[str] | None, env: Mapping[str, str], prefix: str, prog: str):
-    """Build dataclass `cls` from flags (`--field-name`) over env (`PREFIX_FIELD_NAME`) over defaults."""
-    hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+def add_field_flags(
+    parser: argparse._ActionsContainer, cls: type, help: Callable[[dataclasses.Field], str],
+    only: Collection[str] | None = None,
+) -> None:
+    """A `--field-name` flag for each field of dataclass `cls` (or those in `only`), read by field_values.
+
+    The servers, `megapod up` and `megapod deploy` all take their flags from here, so a field's
+    flag, and how its text becomes a value, is the same in every command."""
     for f in dataclasses.fields(cls):
-        env_name = f"{prefix}{f.name.upper()}"
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            dest=f.name,
-            default=None,
-            metavar=f.name.upper(),
-            help=f"(env {env_name}; default {f.default!r})",
-        )
-    args = parser.parse_args(argv)
+        if only is None or f.name in only:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                                metavar=f.name.upper(), help=help(f))
+
+
+def field_values(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None = None, prefix: str = "") -> dict:
+    """The fields given as flags (add_field_flags), else as PREFIX_FIELD_NAME in `env`, each parsed
+    as its type; ValueError names the flag of a value that does not parse."""
+    hints = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
-        text = getattr(args, f.name)
-        if text is None:
+        text = getattr(args, f.name, None)
+        if text is None and env is not None:
             text = env.get(f"{prefix}{f.name.upper()}")
         if text is not None:
             try:
                 values[f.name] = parse_value(hints[f.name], text)
             except ValueError as exc:
-                parser.error(f"--{f.name.replace('_', '-')}: {exc}")
+                raise ValueError(f"--{f.name.replace('_', '-')}: {exc}") from None
+    return values
+
+
+def config_from_args(cls: type, argv: Sequence[str] | None, env: Mapping[str, str], prefix: str, prog: str):
+    """Build dataclass `cls` from flags (`--field-name`) over env (`PREFIX_FIELD_NAME`) over defaults."""
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    add_field_flags(parser, cls, lambda f: f"(env {prefix}{f.name.upper()}; default {f.default!r})")
+    args = parser.parse_args(argv)
     try:
-        return cls(**values)
+        return cls(**field_values(cls, args, env, prefix))
     except ValueError as exc:
         parser.error(str(exc))
 

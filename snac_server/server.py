@@ -43,6 +43,8 @@ class SnacServer:
     service: CodecService
     health: health.aio.HealthServicer
     metrics: SnacMetrics
+    health_server: grpc.aio.Server | None = None  # plaintext grpc.health.v1 only (config.health_port)
+    health_port: int | None = None
     metrics_http: WSGIServer | None = None
 
     @property
@@ -56,10 +58,14 @@ class SnacServer:
                 self.config.metrics_port, self.config.host, registry=self.metrics.registry
             )
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # grpc's default for "" is SERVING
+        await self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.health_server is not None:  # open before warm-up: probes read NOT_SERVING, not a refusal
+            await self.health_server.start()
         self.batcher.start()
         try:
             await asyncio.to_thread(self.batcher.wait_ready)
         except WarmUpFailed:
+            await self._stop_health()
             self._stop_metrics()
             raise
         # The model and the libraries stay for the process's life: out of the collector's sight, a full
@@ -74,8 +80,13 @@ class SnacServer:
         """Drain: report NOT_SERVING, let in-flight streams finish (up to grace), then stop."""
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s)
+        await self._stop_health()  # answered NOT_SERVING through the drain; closes after it
         await asyncio.to_thread(self.batcher.stop)
         self._stop_metrics()
+
+    async def _stop_health(self) -> None:
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
     def _stop_metrics(self) -> None:
         if self.metrics_http is not None:
@@ -164,7 +175,22 @@ def build_server(config: SnacServerConfig, runner: DecoderRunner | None = None) 
         port = server.add_insecure_port(address)  # loopback and trusted networks: the default
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
-    return SnacServer(config, server, batcher, service, health_servicer, metrics), port
+    built = SnacServer(config, server, batcher, service, health_servicer, metrics)
+    if config.health_port >= 0:
+        built.health_server, built.health_port = _health_only_server(config, health_servicer)
+    return built, port
+
+
+def _health_only_server(config: SnacServerConfig, servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server carrying nothing but grpc.health.v1, sharing the TLS port's servicer (so
+    the same statuses): the kubelet's gRPC probes cannot present a client certificate, and this
+    port gives them nothing a certificate would guard (any other method is UNIMPLEMENTED)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.health_port}")
+    if port == 0:
+        raise OSError(f"could not bind the health port {config.host}:{config.health_port}")
+    return server, port
 
 
 def _tls_mode(config: SnacServerConfig) -> str:
@@ -178,8 +204,9 @@ async def serve(config: SnacServerConfig, runner: DecoderRunner | None = None) -
     server, port = build_server(config, runner)
     await server.start()
     log.info(
-        "snac-server on %s:%d%s (model %s, device %s, dtype %s), metrics on :%s",
+        "snac-server on %s:%d%s (model %s, device %s, dtype %s), metrics on :%s, plaintext health on :%s",
         config.host, port, _tls_mode(config), config.model, config.resolved_device, config.dtype, server.metrics_port,
+        server.health_port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import threading
 from pathlib import Path
 
 import grpc
@@ -20,10 +21,12 @@ from conftest import random_frames, server_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llm_server.codec_client import CodecClient, CodecClientConfig
-from codec_contract.api import codec_pb2
+from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import channel
 from codec_contract.client import SERVICE
-from snac_server.server import build_server
+from snac_server.config import SnacServerConfig
+from snac_server.metrics import SnacMetrics
+from snac_server.server import build_runner, build_server
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -211,3 +214,102 @@ async def test_new_server_certificate_files_are_served_without_a_restart(pki, tm
             assert await _health(ch) == grpc.StatusCode.UNAVAILABLE  # the old certificate is gone
     finally:
         await server.stop(grace_s=0)
+
+
+# ---------------------------------------------------------------- the plaintext health port (kubelet gRPC probes)
+
+
+class _HeldWarmUp:
+    """The real runner, its warm-up held until the test lets it go: the server is observably warming."""
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self.release = threading.Event()
+
+    def warm_up(self) -> None:
+        assert self.release.wait(60), "warm-up never released"
+        self._runner.warm_up()
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+
+async def _plain_health(port: int, service: str = SERVICE) -> object:
+    async with channel(f"127.0.0.1:{port}") as ch:
+        return await _health_of(ch, service)
+
+
+async def _health_of(ch: grpc.aio.Channel, service: str) -> object:
+    try:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return reply.status
+
+
+async def _samples(stream) -> int:
+    return sum(c.num_samples for c in [c async for c in stream.chunks()])
+
+
+async def test_the_health_port_tells_kubelet_what_the_tls_port_tells_workers(pki):
+    """health_port serves grpc.health.v1 in plaintext with the TLS port's statuses: NOT_SERVING while
+    warming up, SERVING, NOT_SERVING while draining; Decode is UNIMPLEMENTED there; TLS still required."""
+    cert, key = pki["server"]
+    config = server_config(metrics_port=-1, health_port=0, tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"].ca_file)
+    runner = _HeldWarmUp(build_runner(config, SnacMetrics()))
+    server, port = build_server(config, runner)
+    NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    starting = asyncio.create_task(server.start())
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while (warming := await _plain_health(server.health_port)) != NOT_SERVING:
+            assert asyncio.get_running_loop().time() < deadline, warming
+            await asyncio.sleep(0.05)
+        assert await _plain_health(server.health_port, "") == NOT_SERVING
+        runner.release.set()
+        await starting
+        async with channel(f"127.0.0.1:{port}", pki["ca"].ca_file, *pki["client"], server_name=SERVER_NAME) as tls:
+            for service in (SERVICE, ""):
+                assert await _plain_health(server.health_port, service) == await _health_of(tls, service) == SERVING
+            async with channel(f"127.0.0.1:{port}") as plaintext:  # the TLS port still refuses plaintext
+                assert await _health_of(plaintext, SERVICE) == grpc.StatusCode.UNAVAILABLE
+            async with channel(f"127.0.0.1:{port}", pki["ca"].ca_file, server_name=SERVER_NAME) as no_cert:
+                assert await _health_of(no_cert, SERVICE) == grpc.StatusCode.UNAVAILABLE
+            async with channel(f"127.0.0.1:{server.health_port}") as plain:
+                decode = codec_pb2_grpc.SnacCodecStub(plain).Decode(iter([codec_pb2.DecodeRequest()]), timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in decode:
+                        pass
+                assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+            # Draining: a stream held open keeps the TLS server in its grace period.
+            client = _codec_client(f"127.0.0.1:{port}", pki["ca"].ca_file, *pki["client"])
+            stream = client.stream(7)
+            await stream.send(random_frames(2, seed=7))
+            reading = asyncio.create_task(_samples(stream))  # the client opens its call when read
+            while server.service.active == 0:  # the call is open on the server
+                await asyncio.sleep(0.02)
+            stopping = asyncio.create_task(server.stop(grace_s=30))
+            while (draining := await _plain_health(server.health_port)) != NOT_SERVING:
+                assert not stopping.done(), draining
+                await asyncio.sleep(0.02)
+            assert await _plain_health(server.health_port, "") == NOT_SERVING
+            assert not stopping.done()  # the health port answered while the TLS port drained
+            await stream.end()
+            assert await reading == 2 * 2048  # the stream in flight finished during the drain
+            await client.close()
+            await stopping
+        assert await _plain_health(server.health_port) == grpc.StatusCode.UNAVAILABLE  # closed with the server
+    finally:
+        runner.release.set()
+        if not starting.done():
+            await starting
+        await server.stop(grace_s=0)
+
+
+def test_health_port_settings_are_checked():
+    with pytest.raises(ValueError, match="health_port must differ"):
+        SnacServerConfig(port=50051, health_port=50051)
+    with pytest.raises(ValueError, match="-1 \\(off\\)"):
+        SnacServerConfig(health_port=-2)
+    assert SnacServerConfig().health_port == -1  # off unless asked for (the chart asks)

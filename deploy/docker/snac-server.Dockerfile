@@ -9,9 +9,14 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_VERSION=2.13.0
+# Where pip looks: PyPI, for torch too. A builder with no route to it sets both to a mirror
+# (deploy/images/build_and_run.py serves one on loopback; deploy/README.md).
+ARG PIP_INDEX_URL=https://pypi.org/simple
 # PyPI's Linux torch wheel is the CUDA build; its CUDA libraries arrive as nvidia-* wheels, and the
-# node's driver comes in through the NVIDIA container runtime.
-RUN pip install "torch==${TORCH_VERSION}"
+# node's driver comes in through the NVIDIA container runtime. An index of CPU builds instead
+# (https://download.pytorch.org/whl/cpu) gives a smaller image that runs on CPUs only.
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY codec_contract ./codec_contract

@@ -18,6 +18,7 @@
 
 {{- define "megapod.llmName" -}}{{ include "megapod.fullname" . | trunc 59 }}-llm{{- end }}
 {{- define "megapod.snacName" -}}{{ include "megapod.fullname" . | trunc 58 }}-snac{{- end }}
+{{- define "megapod.frontName" -}}{{ include "megapod.fullname" . | trunc 57 }}-front{{- end }}
 
 {{- define "megapod.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
@@ -109,9 +110,20 @@ runtimeClassName: {{ . }}
 {{- end }}
 {{- end }}
 
-{{/* Seconds a terminating pod gets: the preStop sleep, the server's drain, and a margin to exit. */}}
+{{/* Draining, the same for every tier (values drain): seconds a terminating pod gets, the
+endpoint delay, the server's drain and a margin to exit. Call with the root context. */}}
 {{- define "megapod.terminationGrace" -}}
-{{- add (int .drain.preStopSleepS) (int (ceil .server.graceS)) 15 }}
+{{- add (int (ceil .Values.drain.endpointDelayS)) (int (ceil .Values.drain.graceS)) 15 }}
+{{- end }}
+
+{{/* preStop: keep serving, new streams included, while the pod's address leaves the Services'
+endpoints, DNS and the load balancers (they learn of it only after the pod starts terminating);
+SIGTERM follows, and the server drains for drain.graceS. */}}
+{{- define "megapod.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .Values.drain.endpointDelayS | toString | quote }}]
 {{- end }}
 
 {{/* Rollouts never surge: a full 8-GPU node has no spare GPU or MIG instance for an extra pod. */}}
@@ -182,40 +194,14 @@ files in place when the Secret changes, and the servers re-read them. */}}
 
 {{- define "megapod.codecTlsDir" -}}/etc/orpheus-megapod/codec-tls{{- end }}
 
-{{/* gRPC probe of the SNAC replicas over mutual TLS. The kubelet's own grpc probe speaks plaintext
-only, so with TLS on the pod checks itself: grpc.health.v1 on loopback, presenting its own
-certificate (ca.crt signs both sides) and checking the server name the LLM workers check.
-Arguments: the health service name and the deadline in seconds. */}}
-{{- define "megapod.snacTlsProbe" -}}
-import os, sys, grpc
-from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as hg
-e = os.environ
-r = lambda k: open(e[k], "rb").read()
-creds = grpc.ssl_channel_credentials(r("SNAC_TLS_CLIENT_CA"), r("SNAC_TLS_KEY"), r("SNAC_TLS_CERT"))
-opts = [("grpc.ssl_target_name_override", e["CODEC_TLS_SERVER_NAME"])]
-with grpc.secure_channel("127.0.0.1:" + e["SNAC_PORT"], creds, opts) as ch:
-    s = hg.HealthStub(ch).Check(h.HealthCheckRequest(service=sys.argv[1]), timeout=float(sys.argv[2])).status
-sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
-{{- end }}
-
-{{/* One SNAC probe: kubelet grpc without TLS, the exec check above with it.
-Call with (dict "ctx" $ "service" "..." "probe" $snac.probes.readiness). */}}
+{{/* One SNAC probe: the kubelet's own grpc probe on the plaintext health-only port (the TLS port
+would need a client certificate). Call with (dict "ctx" $ "service" "..." "probe" $snac.probes.readiness). */}}
 {{- define "megapod.snacProbe" -}}
-{{- if .ctx.Values.codecTls.enabled }}
-exec:
-  command:
-    - python
-    - -c
-    - {{ include "megapod.snacTlsProbe" .ctx | toJson }}
-    - {{ .service | quote }}
-    - {{ .probe.timeoutSeconds | default 1 | quote }}
-{{- else }}
 grpc:
-  port: {{ .ctx.Values.snac.server.port }}
+  port: {{ .ctx.Values.snac.server.healthPort }}
   {{- with .service }}
   service: {{ . }}
   {{- end }}
-{{- end }}
 {{ toYaml .probe }}
 {{- end }}
 

@@ -1,0 +1,116 @@
+"""The CPU images of both tiers build from deploy/docker/ and the stack runs from them.
+
+End to end with a real container engine (podman): deploy/images/build_and_run.py builds the base
+stand-in, both images, starts codec replica containers and an LLM worker container on loopback,
+speaks through them with `megapod say` and the openai SDK, and removes the containers.
+
+`make test` runs it (it installs podman and sets MEGAPOD_TEST_IMAGES=1): a cold run took 6.7 min on
+two cores, 2-4 min with the layers cached (deploy/README.md, "Building and running the images
+here"). A plain `pytest` skips it, since it needs a container engine and about 1 GB of wheels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megapod.render import REPO
+
+SCRIPT = REPO / "deploy" / "images" / "build_and_run.py"
+
+opt_in = pytest.mark.skipif(
+    os.environ.get("MEGAPOD_TEST_IMAGES") != "1",
+    reason="builds both CPU images and runs the stack in containers (minutes, a container engine); "
+           "`make test` sets MEGAPOD_TEST_IMAGES=1")
+
+
+@opt_in
+@pytest.mark.timeout(7200)
+def test_the_images_build_and_the_stack_speaks_from_them(tmp_path: Path) -> None:
+    result_path = tmp_path / "result-cpu.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--result", str(result_path)],
+                          check=False, capture_output=True, text=True, timeout=7000)
+    assert result_path.exists(), f"no result written; exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+    result = json.loads(result_path.read_text())
+    assert proc.returncode == 0 and result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
+
+    for image in result["images"].values():
+        assert image["size_bytes"] > 100_000_000, image  # a virtualenv with torch, not an empty layer
+        assert image["user"] == "10001:10001", image  # the chart's runAsUser, not root
+        assert image["entrypoint"][0] in ("llm-server", "snac-server"), image
+
+    stack = result["stack"]
+    assert len(stack["start_to_ready_s"]) == stack["codec_replicas"] + 1
+
+    say = result["megapod_say"]
+    assert (say["sample_rate"], say["sample_width"], say["channels"]) == (24_000, 2, 1), say
+    assert say["pcm_bytes"] > 0 and say["pcm_bytes"] % 2 == 0 and say["audio_s"] > 0, say
+
+    stream = result["openai_stream"]
+    assert stream["status"] == 200 and stream["bytes"] > 0 and stream["bytes"] % 2 == 0, stream
+    assert 0 < stream["time_to_first_byte_s"] <= stream["total_s"], stream
+
+    assert result["leftover_containers"] == [], "the script left containers running"
+
+
+# ------------------------------------------- the loopback mirror the builds install from (always run)
+
+
+def _module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_and_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _wheel(directory: Path, name: str, version: str) -> Path:
+    """A minimal valid pure-Python wheel."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()]
+    files[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for member, text in files.items():
+            z.writestr(member, text)
+    return path
+
+
+def test_pip_installs_from_the_mirror_and_only_what_it_holds(tmp_path: Path) -> None:
+    """The index the image builds use: real pip resolves a project through it (names normalized,
+    sha256 checked) and finds nothing it does not hold."""
+    module = _module()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "megapod_mirror_probe", "1.2.0")
+    root = module.write_index(wheels, tmp_path / "mirror")
+    port = module.free_ports(1)[0]
+    mirror = module.Mirror(root, port)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+        env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--isolated", "--index-url", mirror.url,
+                              "--dest", str(tmp_path / "out"), "Megapod.Mirror-Probe==1.2.0"],
+                             check=False, capture_output=True, text=True, env=env, timeout=120)
+        assert got.returncode == 0, got.stderr
+        assert [p.name for p in (tmp_path / "out").iterdir()] == ["megapod_mirror_probe-1.2.0-py3-none-any.whl"]
+        missing = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--isolated", "--index-url", mirror.url,
+                                  "--dest", str(tmp_path / "out2"), "six"],
+                                 check=False, capture_output=True, text=True, env=env, timeout=120)
+        assert missing.returncode != 0 and "No matching distribution found for six" in missing.stderr
+    finally:
+        mirror.close()

@@ -1,0 +1,144 @@
+"""values.schema.json is generated (megapod/values_schema.py) and still refuses bad values;
+`megapod deploy`'s topology flags are the MegaPodConfig fields the chart receives."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import typing
+
+import jsonschema
+import pytest
+import yaml
+
+from megapod import deploy_cli
+from megapod.cluster import CPU, H100
+from megapod.render import CHART, chart_values, find_helm, parse_manifests
+from megapod.topology import MegaPodConfig
+from megapod.values_schema import COMMAND, SCHEMA, SERVER_CHECKS, SERVERS, camel, json_type, render, topology_values
+
+
+def helm_template(*sets: str, how: str = "--set") -> tuple[int, str, str]:
+    argv = [find_helm(), "template", "orpheus-megapod", str(CHART)]
+    for pair in sets:
+        argv += [how, pair]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    return done.returncode, done.stdout, done.stderr
+
+
+def env(objects: list[dict], tier: str) -> dict[str, str]:
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith(f"-{tier}")]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_committed_schema_is_the_generated_one() -> None:
+    assert SCHEMA.read_text() == render(), f"values.schema.json is stale: run `{COMMAND}`"
+
+
+@pytest.mark.parametrize(
+    "pair, named",
+    [
+        ("snac.server.maxBatchSize=64", "maxBatchSize"),  # not a SnacServerConfig field
+        ("llm.server.model=x", "model"),  # a field the chart sets itself (from llm.model)
+        ("snac.server.tlsCert=/x", "tlsCert"),  # ... from codecTls
+        ("llm.server.host=127.0.0.1", "host"),  # would make the pod unreachable
+        ("llm.probes.startup.periodSecond=5", "periodSecond"),  # a typo in a closed object
+        ("monitors=true", "monitors"),  # an unknown top-level key
+        ("llm.replicas=seven", "llm.replicas"),  # wrong type (values.yaml's)
+        ("snac.server.maxWaitMs=soon", "snac.server.maxWaitMs"),  # wrong type (the dataclass's)
+        ("images.llm.pullPolicy=Sometimes", "pullPolicy"),  # enum kept in RULES
+        ("llm.server.trtllmAttention=maybe", "trtllmAttention"),  # SERVER_CHECKS
+        ("snac.server.dtype=float64", "dtype"),
+        ("llm.server.topP=1.5", "topP"),
+        ("snac.server.frameBuckets={2,4}", "frameBuckets"),  # no 1
+        ("llm.server.device=cuda:1", "device"),  # a pod owns its GPUs
+        ("service.port=70000", "service.port"),
+        ("llm.server.port=null", "port"),  # required: the templates read it
+    ],
+)
+def test_schema_refuses_bad_values(pair: str, named: str) -> None:
+    code, _, stderr = helm_template(pair)
+    assert code != 0 and "schema" in stderr and named in stderr, stderr
+
+
+def test_schema_accepts_server_settings_values_yaml_leaves_at_their_defaults() -> None:
+    """Any pod-settable field may be set, not only those values.yaml lists, and reaches the pod."""
+    code, stdout, stderr = helm_template(
+        "llm.server.topP=0.9", "llm.server.maxBodyBytes=131072", "snac.server.frameBuckets=[1,4]",
+        "llm.probes.startup.successThreshold=1", "llm.server.quantization=null", how="--set-json")  # --set: 0.9 a string
+    assert code == 0, stderr
+    llm, snac = env(parse_manifests(stdout), "llm"), env(parse_manifests(stdout), "snac")
+    assert (llm["ORPHEUS_TOP_P"], llm["ORPHEUS_MAX_BODY_BYTES"], snac["SNAC_FRAME_BUCKETS"]) == ("0.9", "131072", "1,4")
+    assert "ORPHEUS_QUANTIZATION" not in llm  # null: the server's own default
+
+
+# ---------------------------------------------------------------- SERVER_CHECKS hold the servers' checks
+
+SAMPLES = {int: [-2, -1, 0, 1, 2, 15, 16, 17, 70000], float: [-1.0, 0.0, 0.5, 1.0, 1.5, 2.0]}
+
+
+def _cases() -> list:
+    """(tier, config class, field, sample values) for every numeric field a pod may set and every
+    field SERVER_CHECKS constrains."""
+    schema = yaml.safe_load(SCHEMA.read_text())  # JSON is YAML
+    cases = []
+    for tier, (cls, _) in SERVERS.items():
+        settable = schema["properties"][tier]["properties"]["server"]["properties"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            check = SERVER_CHECKS.get(f"{tier}.server.{camel(f.name)}", {})
+            if camel(f.name) not in settable or not (check or hints[f.name] in SAMPLES):
+                continue
+            if "enum" in check:
+                samples = [*check["enum"], "not-" + check["enum"][0]]
+            elif typing.get_origin(hints[f.name]) is tuple:
+                samples = [(), (1,), (2, 4), (1, 0), (1, 2, 4)]
+            else:
+                samples = SAMPLES[hints[f.name]]
+            cases.append(pytest.param(tier, cls, f.name, samples, id=f"{tier}.{f.name}"))
+    return cases
+
+
+@pytest.mark.parametrize("tier, cls, name, samples", _cases())
+def test_server_checks_refuse_what_the_server_refuses(tier: str, cls: type, name: str, samples: list) -> None:
+    """A value the server's __post_init__ refuses fails at `helm install`, and one it takes passes
+    (before the chart's own, stricter RULES): add a new check there to SERVER_CHECKS too."""
+    hint = typing.get_type_hints(cls)[name]
+    schema = {**json_type(hint), **SERVER_CHECKS.get(f"{tier}.server.{camel(name)}", {})}
+    for value in samples:
+        try:
+            cls(**{name: value})
+            server_takes = True
+        except ValueError:
+            server_takes = False
+        schema_takes = jsonschema.Draft7Validator(schema).is_valid(list(value) if isinstance(value, tuple) else value)
+        assert schema_takes == server_takes, f"{cls.__name__}.{name}={value!r}: server {server_takes}, schema {schema_takes}"
+
+
+# ---------------------------------------------------------------- megapod deploy's topology flags
+
+
+def test_deploy_flags_are_the_fields_the_chart_receives() -> None:
+    """Every MegaPodConfig field with no flag leaves the chart values alone, so none is missing."""
+    changed = {int: lambda v: v + 1, float: lambda v: v / 2, bool: lambda v: not v, str: lambda v: v + "x"}
+    hints = typing.get_type_hints(MegaPodConfig)
+    for f in dataclasses.fields(MegaPodConfig):
+        if f.name not in deploy_cli.TOPOLOGY:
+            pod = dataclasses.replace(CPU.megapod, **{f.name: changed[hints[f.name]](getattr(CPU.megapod, f.name))})
+            assert chart_values(dataclasses.replace(CPU, megapod=pod)) == chart_values(CPU), f.name
+    assert deploy_cli.TOPOLOGY == topology_values()
+    assert {"workers", "replicas", "grace_s", "attention_backend"} <= deploy_cli.TOPOLOGY.keys()
+    assert not {"host", "worker_base_port", "llm_gpus", "snac_gpu", "restart_dead"} & deploy_cli.TOPOLOGY.keys()
+
+
+def test_deploy_flags_parse_as_megapod_up_parses_them() -> None:
+    args = deploy_cli.build_parser().parse_args([
+        "--workers", "5", "--enforce-eager", "on", "--snac-max-wait-ms", "2.5", "--attention-backend", "FLASH_ATTN"])
+    pod = deploy_cli.profile_from_args(args).megapod
+    assert (pod.workers, pod.enforce_eager, pod.snac_max_wait_ms, pod.attention_backend) == (5, True, 2.5, "FLASH_ATTN")
+    assert dataclasses.replace(pod, workers=7, enforce_eager=False, snac_max_wait_ms=5.0,
+                               attention_backend="FLASHINFER") == H100.megapod  # nothing else moved
+    for argv, message in ((["--enforce-eager", "maybe"], "not a boolean"), (["--workers", "x"], "--workers")):
+        with pytest.raises(ValueError, match=message):
+            deploy_cli.profile_from_args(deploy_cli.build_parser().parse_args(argv))
