@@ -112,7 +112,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"megapod up: {exc}")
         return
     if argv and argv[0] == "front":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
         serve_front(front_config_from_cli(argv[1:]))
         return
     if argv and argv[0] == "doctor":

@@ -98,7 +98,9 @@ class WorkerPool:
             self._forget_if_gone(url)
 
     def acquire(self, url: str) -> None:
-        self.active[url] += 1
+        """Hold a slot on `url` from before its request is sent: concurrent requests spread, and a
+        refresh meanwhile cannot forget a worker a request is still waiting on."""
+        self.active[url] = self.active.get(url, 0) + 1
 
     def release(self, url: str) -> None:
         self.active[url] -= 1
@@ -154,7 +156,10 @@ class DnsWorkers:
         """Resolve again every refresh_s (after the first refresh, which the app awaits at start-up)."""
         while True:
             await asyncio.sleep(self.refresh_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # an unexpected failure must not freeze the worker list for the pod's life
+                log.exception("resolving %s failed: keeping %d worker(s)", self.host, len(self.pool.urls))
 
 
 def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", refresh_s: float = 5.0,
@@ -164,8 +169,12 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     registry = CollectorRegistry()
     active = Gauge("megapod_front_active_streams", "Streams relayed, per worker", ["worker"], registry=registry)
     routed = Counter("megapod_front_requests", "Speech requests by worker and status", ["worker", "status"], registry=registry)
+    replied = Counter("megapod_front_replies", "Speech requests by the status the client got (a worker's 429 "
+                      "retried on the next worker counts once, as what came of it)", ["status"], registry=registry)
     pool = WorkerPool(worker_urls, on_forget=_forget_series(active, routed))
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+    # A short connect timeout: a worker that vanished without closing (node lost) drops packets, and
+    # every new stream would wait out a long one before trying the next worker.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0, read=None))
     discovery = DnsWorkers(pool, workers_dns, refresh_s, resolve) if workers_dns else None
 
     @contextlib.asynccontextmanager
@@ -186,6 +195,11 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     app.state.draining = False  # set on SIGTERM (serve_front): /ready says 503 from then on
 
     async def speech(request: Request) -> Response:
+        reply = await _route(request)
+        replied.labels(str(reply.status_code)).inc()
+        return reply
+
+    async def _route(request: Request) -> Response:
         body = await _bounded_body(request)
         if body is None:
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
@@ -193,15 +207,21 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         at_limit = False
         for url in pool.order():
+            pool.acquire(url)
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers), stream=True)
             except httpx.HTTPError as exc:  # refused (a worker that left or is draining): the next one
+                pool.release(url)
                 log.warning("worker %s unreachable: %s", url, exc)
                 continue
+            except BaseException:  # cancelled (the client left) or anything else: the slot goes back
+                pool.release(url)
+                raise
             routed.labels(url, str(upstream.status_code)).inc()
             if upstream.status_code == 429:
                 at_limit = True
                 await upstream.aclose()
+                pool.release(url)
                 continue
             return _relay(upstream, url, pool, active, request)
         if not at_limit:
@@ -233,12 +253,9 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     async def ready() -> Response:
         if app.state.draining:
             return error_response(503, "draining: finishing in-flight streams before exit", code="not_ready")
-        for url in pool.urls:
-            try:
-                if (await client.get(f"{url}/ready", timeout=2.0)).status_code == 200:
-                    return JSONResponse({"status": "ready"})
-            except httpx.HTTPError:
-                pass
+        # All workers at once, briefly: one hung worker must not fail every front's probe.
+        if any(await asyncio.gather(*(_ready(client, url) for url in pool.urls))):
+            return JSONResponse({"status": "ready"})
         return error_response(503, "no worker is ready", code="not_ready")
 
     @app.get("/metrics")
@@ -246,6 +263,13 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _ready(client: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await client.get(f"{url}/ready", timeout=1.0)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 async def _bounded_body(request: Request) -> bytes | None:
@@ -277,8 +301,7 @@ async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, h
 def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, request: Request) -> StreamingResponse:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
     headers["x-megapod-worker"] = url
-    pool.acquire(url)
-    active.labels(url).inc()
+    active.labels(url).inc()  # the pool's slot was taken before the request went out
 
     async def stream() -> AsyncIterator[bytes]:
         watcher = asyncio.create_task(_close_on_disconnect(request, upstream))
@@ -307,22 +330,27 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
     target = ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
     headers = {name: ws.headers[name] for name in _PASSED_HEADERS if name in ws.headers}
     for url in pool.order():
+        pool.acquire(url)
         try:
             upstream = await connect("ws" + url.removeprefix("http") + target, additional_headers=headers)
         except InvalidStatus:  # the worker refused the handshake (a missing or unknown key): so does the front
+            pool.release(url)
             await ws.close(1008)
             return
         except OSError as exc:
+            pool.release(url)
             log.warning("worker %s unreachable: %s", url, exc)
             continue
+        except BaseException:
+            pool.release(url)
+            raise
         break
     else:
         await ws.accept()
         await ws.close(TRY_AGAIN_LATER, "no worker reachable")
         return
     await ws.accept()
-    pool.acquire(url)
-    active.labels(url).inc()
+    active.labels(url).inc()  # the pool's slot was taken before the handshake
     try:
         await _pump_both_ways(ws, upstream)
     finally:

@@ -31,14 +31,16 @@ from codec_contract.audio import POLICIES
 from llm_server.config import LlmServerConfig
 from snac_server.config import DTYPES, SnacServerConfig
 
+from .front import FrontConfig
 from .render import CHART, chart_values
 from .topology import MegaPodConfig
 
 SCHEMA = CHART / "values.schema.json"
 COMMAND = "python -m megapod.values_schema"
-SERVERS = {"llm": (LlmServerConfig, "ORPHEUS_"), "snac": (SnacServerConfig, "SNAC_")}
-# Fields no pod may set: the servers' default host (0.0.0.0) is what makes a pod reachable.
-KEEP_DEFAULT = {"host"}
+SERVERS = {"llm": (LlmServerConfig, "ORPHEUS_"), "snac": (SnacServerConfig, "SNAC_"), "front": (FrontConfig, "MEGAPOD_FRONT_")}
+# Fields no pod may set: the servers' default host (0.0.0.0) is what makes a pod reachable; the
+# front's static worker list would contradict the workers' Service the chart gives it.
+KEEP_DEFAULT = {"host", "workers"}
 
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 NAMED_ITEMS = {"type": "array", "items": {"type": "object", "required": ["name"]}}
@@ -95,7 +97,6 @@ RULES = {
     "*.server.device": {"enum": ["auto", "cpu", "cuda"]},
     "llm.server.gpuMemoryUtilization": {**POSITIVE, "maximum": 1},  # MegaPodConfig's check
     "drain.*": {"type": "number", **AT_LEAST_0},  # MegaPodConfig grace_s, endpoint_delay_s
-    "front.server.refreshS": {"type": "number", **POSITIVE},
     "snac.server.healthPort": PORT,  # the kubelet's gRPC probes name it
     "*.existing*Secret": SECRET_NAME,
     "codecTls.certManager.issuerRef.kind": {"minLength": 1},
@@ -137,6 +138,7 @@ SERVER_CHECKS = {
     "snac.server.metricsPort": {"minimum": -1},  # -1: off (RULES asks the chart's pods for a real port)
     "snac.server.healthPort": {"minimum": -1},
     "snac.server.frameBuckets": {"minItems": 1, "items": AT_LEAST_1, "contains": {"const": 1}},
+    "front.server.refreshS": POSITIVE,
 }
 
 

@@ -287,7 +287,9 @@ async def test_the_health_port_tells_kubelet_what_the_tls_port_tells_workers(pki
             stream = client.stream(7)
             await stream.send(random_frames(2, seed=7))
             reading = asyncio.create_task(_samples(stream))  # the client opens its call when read
+            deadline = asyncio.get_running_loop().time() + 60
             while server.service.active == 0:  # the call is open on the server
+                assert asyncio.get_running_loop().time() < deadline, "the stream never opened on the server"
                 await asyncio.sleep(0.02)
             stopping = asyncio.create_task(server.stop(grace_s=30))
             while (draining := await _plain_health(server.health_port)) != NOT_SERVING:

@@ -275,15 +275,16 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
     base = {"namespace": NAMESPACE, "release": RELEASE}
     llm = {**base, "tier": "llm", "pod": "w-0", "job": f"{NAMESPACE}/{RELEASE}"}
     snac = {**base, "tier": "snac", "pod": "s-0", "job": f"{NAMESPACE}/{RELEASE}"}
+    front = {**base, "tier": "front", "pod": "f-0", "job": f"{NAMESPACE}/{RELEASE}"}
 
     def buckets(name, labels, per_minute: dict[str, int]):
         """A histogram whose observations per minute fall cumulatively into these le buckets."""
         return [_series(f"{name}_bucket", {**labels, "le": le}, f"0+{n}x30") for le, n in per_minute.items()]
 
     series = [
-        # 100 requests a minute: 10 refused (10% > 5%)
-        _series("orpheus_requests_total", {**llm, "outcome": "ok"}, "0+90x30"),
-        _series("orpheus_requests_total", {**llm, "outcome": "refused"}, "0+10x30"),
+        # 100 requests a minute at the front: 10 answered 429 (10% > 5%)
+        _series("megapod_front_replies_total", {**front, "status": "200"}, "0+90x30"),
+        _series("megapod_front_replies_total", {**front, "status": "429"}, "0+10x30"),
         # first audio: 90% under 0.3 s, the rest between 0.75 and 1 s: p95 ~ 0.875 s > 0.5 s
         *buckets("orpheus_time_to_first_audio_seconds", llm, {"0.3": 90, "0.75": 90, "1.0": 100, "+Inf": 100}),
         # codec steps: all between 0.05 and 0.085 s on s-0 (p95 ~0.083 s: warning only)
@@ -291,9 +292,10 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         # engine queue growing one a minute, KV cache 97% full
         _series("vllm:num_requests_waiting", {**llm, "engine": "0"}, "0+1x30"),
         _series("vllm:kv_cache_usage_perc", {**llm, "engine": "0"}, "0.97x30"),
-        # one worker up, one down from the start; the codec tier never scraped at all
+        # one worker up, one down from the start; one of two fronts up; the codec tier never scraped at all
         _series("up", {**llm, "pod": "w-0"}, "1x30"),
         _series("up", {**llm, "pod": "w-1"}, "0x30"),
+        _series("up", front, "1x30"),
     ]
     at = "20m"
     alerts = {
@@ -304,7 +306,7 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         "MegapodEngineQueueGrowing": [{"pod": "w-0"}],
         "MegapodKvCacheFull": [{"pod": "w-0"}],
         "MegapodTargetDown": [{**llm, "pod": "w-1"}],
-        "MegapodReplicasMissing": [{"tier": "llm"}, {"tier": "snac"}],  # 1 of 7 workers, 0 of 3 replicas
+        "MegapodReplicasMissing": [{"tier": "llm"}, {"tier": "snac"}, {"tier": "front"}],  # 1 of 7, 0 of 3, 1 of 2
         "MegapodTierDown": [{"tier": "snac"}],
     }
     def severity(name: str, labels: dict) -> str:
@@ -332,14 +334,15 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     # ...and a quiet MegaPod raises nothing: fast first audio, no refusals, quick steps, all up.
     quiet = [
-        _series("orpheus_requests_total", {**llm, "outcome": "ok"}, "0+100x30"),
-        _series("orpheus_requests_total", {**llm, "outcome": "refused"}, "0x30"),
+        _series("megapod_front_replies_total", {**front, "status": "200"}, "0+100x30"),
+        _series("megapod_front_replies_total", {**front, "status": "429"}, "0x30"),
         *buckets("orpheus_time_to_first_audio_seconds", llm, {"0.3": 100, "+Inf": 100}),
         *buckets("snac_decode_step_seconds", snac, {"0.02": 600, "+Inf": 600}),
         _series("vllm:num_requests_waiting", {**llm, "engine": "0"}, "0x30"),
         _series("vllm:kv_cache_usage_perc", {**llm, "engine": "0"}, "0.3x30"),
         *[_series("up", {**llm, "pod": f"w-{i}"}, "1x30") for i in range(H100.megapod.workers)],
         *[_series("up", {**snac, "pod": f"s-{i}"}, "1x30") for i in range(H100.megapod.replicas)],
+        *[_series("up", {**front, "pod": f"f-{i}"}, "1x30") for i in range(2)],
     ]
     tests = [{"interval": "1m", "input_series": quiet,
               "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": []} for name in alerts]}]
@@ -588,6 +591,7 @@ def test_speech_gives_the_histograms_samples(exported) -> None:
     assert codec.totals["snac_decoded_frames_total"] >= codec.totals["snac_emitted_frames_total"]
     assert {"ok", "refused"} <= worker.labels["orpheus_requests_total"]["outcome"]
     assert "429" in front.labels["megapod_front_requests_total"]["status"]  # the front saw the refusal too
+    assert "429" in front.labels["megapod_front_replies_total"]["status"]  # ...and answered the client with it
     assert "megapod_front_active_streams" in front.labels
     # each tier exports its own: the PodMonitor's two ports do not overlap
     assert not any(name.startswith(("vllm:", "orpheus_")) for name in codec.labels)
