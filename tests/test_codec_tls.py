@@ -310,8 +310,10 @@ async def test_the_health_port_tells_kubelet_what_the_tls_port_tells_workers(pki
 
 
 def test_health_port_settings_are_checked():
-    with pytest.raises(ValueError, match="health_port must differ"):
+    with pytest.raises(ValueError, match="needs a port of its own"):
         SnacServerConfig(port=50051, health_port=50051)
+    with pytest.raises(ValueError, match="needs a port of its own"):  # was a bind error at start-up
+        SnacServerConfig(metrics_port=9091, health_port=9091)
     with pytest.raises(ValueError, match="-1 \\(off\\)"):
         SnacServerConfig(health_port=-2)
     assert SnacServerConfig().health_port == -1  # off unless asked for (the chart asks)
