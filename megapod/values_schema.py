@@ -167,7 +167,7 @@ def topology_values() -> dict[str, list[str]]:
     Traced through megapod.render.chart_values with a stand-in for each field, so the list is
     whatever that function passes to the chart, never a copy of it."""
     pod = SimpleNamespace(**{f.name: _Traced(f.name) for f in dataclasses.fields(MegaPodConfig)})
-    traced = _leaves(chart_values(SimpleNamespace(megapod=pod, llm_accelerator="", snac_accelerator="")))
+    traced = leaves(chart_values(SimpleNamespace(megapod=pod, llm_accelerator="", snac_accelerator="")))
     paths: dict[str, list[str]] = {}
     for path, value in traced.items():
         if isinstance(value, _Traced):
@@ -175,11 +175,11 @@ def topology_values() -> dict[str, list[str]]:
     return {f.name: paths[f.name] for f in dataclasses.fields(MegaPodConfig) if f.name in paths}
 
 
-def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
+            out.update(leaves(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

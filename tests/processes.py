@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,3 +144,37 @@ def unhang(proc: Proc) -> None:
     """SIGCONT a server stopped by hang() (a stopped process ignores SIGTERM until then)."""
     if proc.alive():
         proc.popen.send_signal(signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int) -> Iterator[dict]:
+    """`megapod up` on a free port block (real vLLM on the CPU, random weights), as a user runs it,
+    until it says it is ready; SIGINT (then SIGKILL) at the end. Yields proc, log, url and ports
+    (front, workers / snac / metrics: each tier's base port)."""
+    base = free_block(1 + 2 * workers + replicas)
+    ports = {"front": base, "workers": base + 1, "snac": base + 1 + workers, "metrics": base + 1 + workers + replicas}
+    log = log_dir / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megapod", "up", "--workers", str(workers), "--replicas", str(replicas),
+             "--front-port", str(ports["front"]), "--worker-base-port", str(ports["workers"]),
+             "--snac-base-port", str(ports["snac"]), "--snac-metrics-base-port", str(ports["metrics"]),
+             "--enforce-eager", "true", "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu",
+             "--max-streams-per-worker", str(max_streams)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MEGAPOD_LOG_DIR": str(log_dir)},
+        )
+    try:
+        deadline = time.monotonic() + 420
+        while "MegaPod ready" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "megapod up never became ready"
+            time.sleep(1)
+        yield {"proc": proc, "log": log, "url": f"http://127.0.0.1:{ports['front']}", "ports": ports}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -41,6 +41,7 @@ from megapod.render import (
     parse_manifests,
 )
 from megapod.topology import MegaPodConfig
+from megapod.values_schema import leaves
 from codec_contract.api import codec_pb2
 from codec_contract.client import channel_credentials, tls_options
 from snac_server.config import SnacServerConfig, config_from_args
@@ -242,21 +243,13 @@ def _helm_merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @pytest.mark.parametrize("profile", [H100, CPU], ids=lambda p: p.name)
 def test_chart_values_files_are_the_cluster_profiles(profile: ClusterProfile) -> None:
     """values.yaml (+ values-cpu.yaml) hold exactly what megapod/cluster.py derives from MegaPodConfig."""
-    values = _leaves(_merged_values(profile))
-    for key, expected in _leaves(chart_values(profile)).items():
+    values = leaves(_merged_values(profile))
+    for key, expected in leaves(chart_values(profile)).items():
         assert values.get(key) == expected, f"{profile.values_file}: {key}={values.get(key)!r}, profile: {expected!r}"
 
 

@@ -8,8 +8,6 @@ import io
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import wave
 from pathlib import Path
@@ -18,34 +16,14 @@ import httpx
 import openai
 import pytest
 
-from processes import free_block, scrape
+from processes import megapod_up, scrape
 
 
 @pytest.fixture(scope="module")
 def megapod(tmp_path_factory):
     """`megapod up` with 2 workers and 2 replicas, exactly as a user runs it."""
-    logs = tmp_path_factory.mktemp("megapod-logs")
-    base = free_block(8)
-    ports = {"front": base, "workers": base + 1, "snac": base + 3, "metrics": base + 5}
-    out = (logs / "up.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megapod", "up", "--workers", "2", "--replicas", "2",
-         "--front-port", str(ports["front"]), "--worker-base-port", str(ports["workers"]),
-         "--snac-base-port", str(ports["snac"]), "--snac-metrics-base-port", str(ports["metrics"]),
-         "--enforce-eager", "true", "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu",
-         "--max-streams-per-worker", "8"],
-        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MEGAPOD_LOG_DIR": str(logs), "HOME": os.environ.get("HOME", "/root")},
-    )
-    up_log = logs / "up.log"
-    deadline = time.monotonic() + 420
-    while "MegaPod ready" not in up_log.read_text():
-        assert proc.poll() is None, up_log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "megapod up never became ready"
-        time.sleep(1)
-    yield {"proc": proc, "log": up_log, "url": f"http://127.0.0.1:{ports['front']}", "ports": ports}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+    with megapod_up(tmp_path_factory.mktemp("megapod-logs"), workers=2, replicas=2, max_streams=8) as up:
+        yield up
 
 
 def _wav_samples(data: bytes) -> int:

@@ -18,11 +18,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import typing
 import urllib.request
@@ -36,7 +34,7 @@ import yaml
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
-from processes import free_block
+from processes import megapod_up
 from prometheus_client.parser import text_string_to_metric_families
 
 from megapod.cluster import CPU, H100
@@ -511,35 +509,8 @@ def test_readme_lists_every_panel_and_alert() -> None:
 def stack(tmp_path_factory):
     """`megapod up`: one worker (real vLLM on the CPU, random weights) capped at one stream, one codec
     replica, the front."""
-    logs = tmp_path_factory.mktemp("observability-logs")
-    base = free_block(4)
-    ports = {"front": base, "worker": base + 1, "snac": base + 2, "metrics": base + 3}
-    out = (logs / "up.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megapod", "up", "--workers", "1", "--replicas", "1",
-         "--front-port", str(ports["front"]), "--worker-base-port", str(ports["worker"]),
-         "--snac-base-port", str(ports["snac"]), "--snac-metrics-base-port", str(ports["metrics"]),
-         "--enforce-eager", "true", "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu",
-         "--max-streams-per-worker", "1"],
-        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MEGAPOD_LOG_DIR": str(logs)},
-    )
-    log = logs / "up.log"
-    try:
-        deadline = time.monotonic() + 420
-        while "MegaPod ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "megapod up never became ready"
-            time.sleep(1)
-        yield {"url": f"http://127.0.0.1:{ports['front']}", "ports": ports, "log": log}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        out.close()
+    with megapod_up(tmp_path_factory.mktemp("observability-logs"), workers=1, replicas=1, max_streams=1) as up:
+        yield up
 
 
 class Scrape:
@@ -578,7 +549,7 @@ def exported(stack) -> dict[str, Scrape]:
     received, refused = asyncio.run(_speak_and_be_refused(stack["url"]))
     assert received > 0 and refused == 429
     ports = stack["ports"]
-    return {"worker": Scrape(ports["worker"]), "codec": Scrape(ports["metrics"]), "front": Scrape(ports["front"])}
+    return {"worker": Scrape(ports["workers"]), "codec": Scrape(ports["metrics"]), "front": Scrape(ports["front"])}
 
 
 def test_speech_gives_the_histograms_samples(exported) -> None:
