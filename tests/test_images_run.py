@@ -114,3 +114,53 @@ def test_pip_installs_from_the_mirror_and_only_what_it_holds(tmp_path: Path) -> 
         assert missing.returncode != 0 and "No matching distribution found for six" in missing.stderr
     finally:
         mirror.close()
+
+
+# ------------------------------------------- disk space and failure messages (always run)
+
+
+class EngineDouble:
+    """Test double of build_and_run.Engine: a storage root and a record of the commands it got."""
+
+    name = "podman"
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.calls = root, []
+
+    def storage_root(self) -> Path:
+        return self.root
+
+    def __call__(self, *args: str, **kw) -> None:
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("free_before, free_after, pruned, fails", [
+    (64.0, None, False, False),  # room: the layer cache stays
+    (9.0, 40.0, True, False),    # short: earlier builds' untagged images go, then there is room
+    (9.0, 12.0, True, True),     # still short: a clear failure before a build fills the disk
+])
+def test_a_build_starts_only_with_room_for_it(tmp_path, monkeypatch, free_before, free_after, pruned, fails) -> None:
+    """A cold build filled this machine's disk mid-commit (CI: "storing layer ... read/write on
+    closed pipe") with 13 GB free and ~55 GB held by untagged images of earlier builds."""
+    module = _module()
+    readings = iter([free_before, free_after])
+    monkeypatch.setattr(module, "_free_gib", lambda path: next(readings))
+    engine, result = EngineDouble(tmp_path), {}
+    if fails:
+        with pytest.raises(module.Failure, match=r"only 12\.0 GiB free .* needs 20 GiB"):
+            module.ensure_space(engine, result)
+    else:
+        module.ensure_space(engine, result)
+        assert result["disk"]["pruned_untagged_images"] is pruned
+    assert engine.calls == ([("image", "prune", "-f")] if pruned else [])
+
+
+def test_a_failed_step_names_the_engines_error_first(tmp_path) -> None:
+    """The error line leads the message: CI summaries cut the middle of a long build log."""
+    module = _module()
+    script = "for i in $(seq 60); do echo pip noise $i; done; echo 'Error: committing container: no space'; exit 125"
+    with pytest.raises(module.Failure) as failure:
+        module.run(["sh", "-c", script], log_to=tmp_path / "build.log")
+    first_line = str(failure.value).splitlines()[0]
+    assert "exited 125: Error: committing container: no space" in first_line
+    assert "pip noise 60" in str(failure.value) and "pip noise 1\n" not in str(failure.value)

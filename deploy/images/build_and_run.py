@@ -13,7 +13,8 @@ Steps, each reusing what an earlier run left (the engine's layer cache, the mirr
      (PEP 503) and served on 127.0.0.1; the builds point PIP_INDEX_URL and TORCH_INDEX_URL at it.
      The Dockerfiles' defaults stay the public indexes;
   4. build deploy/docker/llm-server-cpu.Dockerfile and deploy/docker/snac-server.Dockerfile (the
-     latter with torch's CPU build: a CPU-only variant of the codec image, tagged -cpu);
+     latter with torch's CPU build: a CPU-only variant of the codec image, tagged -cpu), once the
+     engine's storage has room for a cold build (untagged images of earlier builds go if short);
   5. run codec replicas and one LLM worker as containers on the host network (loopback ports),
      wait until they are ready, speak through the worker with `megapod say` and with the openai
      SDK (streaming), check real audio came back;
@@ -77,8 +78,11 @@ def run(cmd: list[str], *, check: bool = True, capture: bool = False, timeout: f
         with log_to.open("w") as out:
             proc = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, stdin=stdin)
         if check and proc.returncode != 0:
-            tail = "".join(log_to.read_text(errors="replace").splitlines(keepends=True)[-40:])
-            raise Failure(f"{' '.join(cmd[:3])} ... exited {proc.returncode} (full log: {log_to}):\n{tail}")
+            lines = log_to.read_text(errors="replace").splitlines(keepends=True)
+            # The engine's own error lines first: a long tail of build output gets cut in CI summaries.
+            errors = "".join(line for line in lines[-40:] if re.match(r"(Error|time=\S+ level=error)", line))
+            raise Failure(f"{' '.join(cmd[:3])} ... exited {proc.returncode}: {errors or '(no error line)'}"
+                          f"(full log: {log_to}), its tail:\n{''.join(lines[-40:])}")
         return proc
     proc = subprocess.run(cmd, check=False, capture_output=capture, text=True, timeout=timeout, stdin=stdin)
     if check and proc.returncode != 0:
@@ -119,6 +123,11 @@ class Engine:
     def image_exists(self, ref: str) -> bool:
         return self("image", "inspect", ref, check=False, capture=True).returncode == 0
 
+    def storage_root(self) -> Path:
+        """Where the engine keeps layers (a build's peak disk use lands there)."""
+        fmt = "{{.Store.GraphRoot}}" if self.name == "podman" else "{{.DockerRootDir}}"
+        return Path(self("info", "--format", fmt, capture=True).stdout.strip())
+
     def image_size(self, ref: str) -> int:
         return int(self("image", "inspect", "--format", "{{.Size}}", ref, capture=True).stdout.strip())
 
@@ -155,6 +164,38 @@ def find_engine(wanted: str) -> Engine:
         "no usable container engine (" + "; ".join(reasons) + "). Install podman from Debian's packages "
         "(apt-get install podman runc fuse-overlayfs; `make test-images` does), or start dockerd. "
         "The docker client alone is not an engine.")
+
+
+# ----------------------------------------------------------------------------------- disk
+
+# A cold build of both images at its peak: the LLM image's venv layer (~4 GB), the copy made when
+# it is committed, the runtime stage's copy of it, the codec image. Measured: 13 GB free ran out.
+BUILD_SPACE_GIB = 20.0
+
+
+def ensure_space(engine: Engine, result: dict) -> None:
+    """Enough free disk for the builds, reclaiming earlier builds' untagged layers if short.
+
+    Every rebuild after a source change leaves the previous images untagged (~6 GB); unreclaimed,
+    they filled this machine's disk mid-build ("storing layer ... read/write on closed pipe").
+    Pruning only when short keeps the layer cache (warm builds) otherwise.
+    """
+    root = engine.storage_root()
+    free = _free_gib(root)
+    pruned = False
+    if free < BUILD_SPACE_GIB:
+        log(f"{free:.1f} GiB free under {root}, {BUILD_SPACE_GIB:.0f} needed: removing untagged images")
+        engine("image", "prune", "-f", capture=True)
+        pruned, free = True, _free_gib(root)
+    result["disk"] = {"storage_root": str(root), "free_gib": round(free, 1), "needed_gib": BUILD_SPACE_GIB,
+                      "pruned_untagged_images": pruned}
+    if free < BUILD_SPACE_GIB:
+        raise Failure(f"only {free:.1f} GiB free under {root} after removing untagged images; a build "
+                      f"needs {BUILD_SPACE_GIB:.0f} GiB: free space there (`{engine.name} system prune`)")
+
+
+def _free_gib(path: Path) -> float:
+    return shutil.disk_usage(path).free / 2**30
 
 
 # ----------------------------------------------------------------------------------- base
@@ -567,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         timings["mirror_s"] = round(time.perf_counter() - t, 1)
         result["mirror"] = {"url": mirror.url, "wheels": sum(1 for _ in wheels.glob("*.whl")),
                             "bytes": sum(p.stat().st_size for p in wheels.glob("*.whl"))}
+        ensure_space(engine, result)
         result["images"] = {}
         for name in IMAGES:
             result["images"][name] = build(engine, name, mirror.url)
