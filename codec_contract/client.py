@@ -14,9 +14,9 @@ import grpc
 import numpy as np
 
 from .api import codec_pb2, codec_pb2_grpc
-from .audio import DEFAULT_POLICY, POLICIES
+from .audio import DEFAULT_POLICY, POLICIES, pack_frames
 
-SERVICE = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name  # megapod.codec.v2.SnacCodec: health checks
+SERVICE = codec_pb2.DESCRIPTOR.services_by_name["SnacCodec"].full_name  # megapod.codec.v3.SnacCodec: health checks
 
 
 @dataclass
@@ -37,11 +37,9 @@ def header_request(seed: int, policy: str = DEFAULT_POLICY, **fields) -> codec_p
     return codec_pb2.DecodeRequest(header=header)
 
 
-def frames_request(frames: Sequence[Sequence[int]]) -> codec_pb2.DecodeRequest:
-    """A message carrying whole frames of 7 codes."""
-    return codec_pb2.DecodeRequest(
-        frames=codec_pb2.Frames(frames=[codec_pb2.Frame(codes=[int(c) for c in f]) for f in frames])
-    )
+def frames_request(frames: np.ndarray | Sequence[Sequence[int]]) -> codec_pb2.DecodeRequest:
+    """A message carrying whole frames (n, 7), packed."""
+    return codec_pb2.DecodeRequest(frames=codec_pb2.Frames(codes=pack_frames(frames)))
 
 
 END_REQUEST = codec_pb2.DecodeRequest(end=codec_pb2.EndOfStream())

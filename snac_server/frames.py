@@ -7,14 +7,12 @@ slot4 -> L1[2j+1]; slot5 -> L2[4j+2]; slot6 -> L2[4j+3].
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
-from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES, unpack_frames
 
-__all__ = ["CODEBOOK_SIZE", "CODES_PER_FRAME", "FRAME_SAMPLES", "InvalidFrames", "frames_to_levels", "validate_frames"]
+__all__ = ["CODEBOOK_SIZE", "CODES_PER_FRAME", "FRAME_SAMPLES", "InvalidFrames", "frames_to_levels", "validate_codes"]
 
 # The slots of each level, in the order their codes follow each other within a frame.
 _L1_SLOTS = (1, 4)
@@ -25,23 +23,21 @@ class InvalidFrames(ValueError):
     """Client-supplied frames that must never reach the model (becomes INVALID_ARGUMENT)."""
 
 
-def validate_frames(frames: Sequence[Sequence[int]]) -> np.ndarray:
-    """Check that every frame has 7 codes in 0..4095; return them as an (n, 7) int32 array.
+def validate_codes(packed: bytes) -> np.ndarray:
+    """Frames.codes (14 bytes a frame) as an (n, 7) int32 array, every code in 0..4095.
 
     Validation happens before batching: one bad index on CUDA is a device-side assert
     that poisons the whole process for every stream.
     """
-    for i, frame in enumerate(frames):
-        if len(frame) != CODES_PER_FRAME:
-            raise InvalidFrames(f"frame {i} has {len(frame)} codes, expected {CODES_PER_FRAME}")
-    codes = np.asarray(frames, dtype=np.int64).reshape(-1, CODES_PER_FRAME)
-    bad = np.flatnonzero((codes < 0) | (codes >= CODEBOOK_SIZE))
+    try:
+        codes = unpack_frames(packed)
+    except ValueError as exc:
+        raise InvalidFrames(str(exc)) from None
+    bad = np.flatnonzero(codes >= CODEBOOK_SIZE)  # uint16 on the wire: never negative
     if bad.size:
         i, slot = divmod(int(bad[0]), CODES_PER_FRAME)
-        raise InvalidFrames(
-            f"frame {i} slot {slot}: code {int(codes[i, slot])} is outside 0..{CODEBOOK_SIZE - 1}"
-        )
-    return codes.astype(np.int32)
+        raise InvalidFrames(f"frame {i} slot {slot}: code {int(codes[i, slot])} is outside 0..{CODEBOOK_SIZE - 1}")
+    return codes
 
 
 def frames_to_levels(frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -85,7 +85,7 @@ async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
 
 
 class CodecService(codec_pb2_grpc.SnacCodecServicer):
-    """Implements megapod.codec.v2.SnacCodec over a shared MicroBatcher."""
+    """Implements megapod.codec.v3.SnacCodec over a shared MicroBatcher."""
 
     def __init__(self, config: SnacServerConfig, batcher: MicroBatcher, metrics: SnacMetrics, delay: int) -> None:
         self._config = config
@@ -209,7 +209,7 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             while (request := await _next_request(requests)) is not None:
                 kind = request.WhichOneof("kind")
                 if kind == "frames":
-                    stream.session.add_frames([list(f.codes) for f in request.frames.frames])
+                    stream.session.add_frames(request.frames.codes)
                 elif kind == "end":
                     stream.session.end()
                 elif kind == "header":

@@ -19,7 +19,7 @@ import numpy as np
 
 from codec_contract.audio import FRAME_SAMPLES, REFERENCE_WINDOW
 
-from .frames import CODES_PER_FRAME, InvalidFrames, validate_frames
+from .frames import CODES_PER_FRAME, InvalidFrames, validate_codes
 from .streaming import OPEN_END, flush_frames
 
 # Largest resume index a header may name (2**48 frames: ~760,000 years of audio). The wire type is
@@ -89,11 +89,11 @@ class _Session:
         self.in_flight = False
         self.final_sent = False
 
-    def add_frames(self, frames: list[list[int]]) -> None:
-        """Append validated frames; raises InvalidFrames for bad codes or frames after the end."""
+    def add_frames(self, packed: bytes) -> None:
+        """Append Frames.codes, validated; raises InvalidFrames for bad codes or frames after the end."""
         if self.ended:
             raise InvalidFrames("frames after end of stream")
-        codes = validate_frames(frames)
+        codes = validate_codes(packed)
         self._frames = np.concatenate([self._frames, codes])
         self.received += len(codes)
 

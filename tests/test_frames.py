@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megapod.sync_detector import host_syncs
-from snac_server.frames import InvalidFrames, frames_to_levels, validate_frames
+from codec_contract.audio import pack_frames, unpack_frames
+from snac_server.frames import InvalidFrames, frames_to_levels, validate_codes
 
 
 def test_slot_order_maps_onto_levels():
@@ -29,20 +30,34 @@ def test_splitting_levels_never_uploads_host_data():
 
 
 def test_code_zero_and_4095_are_valid():
-    codes = validate_frames([[0] * 7, [4095] * 7])
+    codes = validate_codes(pack_frames([[0] * 7, [4095] * 7]))
     assert codes.dtype == np.int32 and codes.shape == (2, 7)
-    assert codes[0].tolist() == [0] * 7
+    assert codes[0].tolist() == [0] * 7 and codes[1].tolist() == [4095] * 7
+
+
+def test_packing_round_trips_in_slot_order():
+    frames = np.arange(3 * 7).reshape(3, 7) * 190  # up to 3990
+    packed = pack_frames(frames)
+    assert len(packed) == 3 * 14 and packed[:4] == b"\x00\x00\xbe\x00"  # little-endian uint16: 0, 190
+    assert (unpack_frames(packed) == frames).all()
+
+
+@pytest.mark.parametrize("frames", [[[1] * 6], [[0] * 7, [-1] * 7], [[65536] * 7]])
+def test_packing_refuses_what_it_cannot_represent(frames):
+    """A wrong shape or a code no uint16 holds is the sender's bug: refused, never wrapped."""
+    with pytest.raises(ValueError):
+        pack_frames(frames)
 
 
 @pytest.mark.parametrize(
-    "frames, message",
+    "packed, message",
     [
-        ([[1, 2, 3, 4, 5, 6]], "frame 0 has 6 codes"),
-        ([[0] * 7, [1] * 8], "frame 1 has 8 codes"),
-        ([[0, 0, 0, 4096, 0, 0, 0]], "frame 0 slot 3: code 4096"),
-        ([[0] * 7, [0, 0, 0, 0, 0, 0, -1]], "frame 1 slot 6: code -1"),
+        (pack_frames([[1] * 7])[:12], "12 bytes of codes are not whole frames"),
+        (pack_frames([[0] * 7, [1] * 7]) + b"\x00", "29 bytes of codes are not whole frames"),
+        (pack_frames([[0, 0, 0, 4096, 0, 0, 0]]), "frame 0 slot 3: code 4096"),
+        (pack_frames([[0] * 7, [0, 0, 0, 0, 0, 0, 65535]]), "frame 1 slot 6: code 65535"),
     ],
 )
-def test_bad_frames_are_named_precisely(frames, message):
+def test_bad_frames_are_named_precisely(packed, message):
     with pytest.raises(InvalidFrames, match=message):
-        validate_frames(frames)
+        validate_codes(packed)

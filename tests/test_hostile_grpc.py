@@ -11,6 +11,7 @@ messages over gRPC's size limit get their own cases.
 from __future__ import annotations
 
 import asyncio
+import struct
 from dataclasses import dataclass
 
 import grpc
@@ -25,17 +26,23 @@ from hypothesis import strategies as st
 from conftest import random_frames
 from codec_contract.api import codec_pb2
 from codec_contract.client import END_REQUEST, channel, frames_request, header_request
-from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_BYTES, FRAME_SAMPLES
 from snac_server.session import MAX_FRAME_INDEX
 
-METHOD = "/megapod.codec.v2.SnacCodec/Decode"
+METHOD = "/megapod.codec.v3.SnacCodec/Decode"
 MAX_SAMPLE = MAX_FRAME_INDEX * FRAME_SAMPLES
 RPC_TIMEOUT_S = 20.0  # a stream still open after this is stuck: the test fails on DEADLINE_EXCEEDED
 U64 = 2**64 - 1
 U32 = 2**32 - 1
 
 # -- the abstract messages a test stream is made of --------------------------------------------
-# ("header", {fields}), ("frames", [[codes], ...]), ("end",), ("empty",): a DecodeRequest with no kind.
+# ("header", {fields}), ("frames", b"packed codes"), ("end",), ("empty",): a DecodeRequest with no kind.
+
+
+def pack(frames: list[list[int]]) -> bytes:
+    """Codes as the contract packs them (little-endian uint16), whatever their count per frame."""
+    codes = [c for frame in frames for c in frame]
+    return struct.pack(f"<{len(codes)}H", *codes)
 
 
 def to_request(message: tuple) -> codec_pb2.DecodeRequest:
@@ -43,9 +50,7 @@ def to_request(message: tuple) -> codec_pb2.DecodeRequest:
     if kind == "header":
         return codec_pb2.DecodeRequest(header=codec_pb2.SessionHeader(**message[1]))
     if kind == "frames":
-        return codec_pb2.DecodeRequest(
-            frames=codec_pb2.Frames(frames=[codec_pb2.Frame(codes=codes) for codes in message[1]])
-        )
+        return codec_pb2.DecodeRequest(frames=codec_pb2.Frames(codes=message[1]))
     if kind == "end":
         return END_REQUEST
     return codec_pb2.DecodeRequest()
@@ -75,14 +80,15 @@ def header_ok(h: dict) -> bool:
     )
 
 
-def frame_ok(codes: list[int]) -> bool:
-    return len(codes) == CODES_PER_FRAME and all(0 <= c < CODEBOOK_SIZE for c in codes)
+def frames_ok(packed: bytes) -> bool:
+    """Whole frames of 14 bytes, every uint16 code in 0..4095."""
+    return len(packed) % FRAME_BYTES == 0 and all(c < CODEBOOK_SIZE for c in struct.unpack(f"<{len(packed) // 2}H", packed))
 
 
 def expected_outcome(messages: list[tuple]) -> Valid | None:
     """Valid(...) if the stream obeys the contract, None if it must end with INVALID_ARGUMENT.
 
-    Header first and only once; frames of 7 codes in 0..4095, none after the end; exactly one
+    Header first and only once; whole frames of 7 codes in 0..4095, none after the end; exactly one
     end, then the client half-closes.
     """
     if not messages or messages[0][0] != "header" or not header_ok(messages[0][1]):
@@ -90,8 +96,8 @@ def expected_outcome(messages: list[tuple]) -> Valid | None:
     header = messages[0][1]
     received, ended = 0, False
     for message in messages[1:]:
-        if message[0] == "frames" and not ended and all(frame_ok(f) for f in message[1]):
-            received += len(message[1])
+        if message[0] == "frames" and not ended and frames_ok(message[1]):
+            received += len(message[1]) // FRAME_BYTES
         elif message[0] == "end" and not ended:
             ended = True
         else:  # a second header, an empty request, frames after the end, a second end, bad frames
@@ -105,7 +111,7 @@ def expected_outcome(messages: list[tuple]) -> Valid | None:
 
 def test_oracle_on_the_documented_cases():
     """The oracle itself, on the contract's examples (a wrong oracle makes the property vacuous)."""
-    good = ("frames", [[0] * 7, [4095] * 7])
+    good = ("frames", pack([[0] * 7, [4095] * 7]))
     assert expected_outcome([("header", {}), good, ("end",)]) == Valid(0, 2 * FRAME_SAMPLES, 4)
     resumed = {"first_frame": 7, "emit_from_sample": 10 * FRAME_SAMPLES + 3, "sample_format": 2}
     assert expected_outcome([("header", resumed), good, ("end",)]) == Valid(10 * FRAME_SAMPLES + 3, 9 * FRAME_SAMPLES, 2)
@@ -117,8 +123,9 @@ def test_oracle_on_the_documented_cases():
         [("header", {}), ("end",), ("end",)],
         [("header", {}), ("end",), good],
         [("header", {}), ("empty",), ("end",)],
-        [("header", {}), ("frames", [[4096] * 7]), ("end",)],
-        [("header", {}), ("frames", [[1] * 6]), ("end",)],
+        [("header", {}), ("frames", pack([[4096] * 7])), ("end",)],
+        [("header", {}), ("frames", pack([[1] * 6])), ("end",)],
+        [("header", {}), ("frames", pack([[0] * 7]) + b"\x00"), ("end",)],
         [("header", {"policy": 3}), ("end",)],
         [("header", {"first_frame": 3, "emit_from_sample": 2 * FRAME_SAMPLES}), ("end",)],
         [("header", {"policy": 1, "emit_from_sample": 5}), ("end",)],
@@ -130,8 +137,9 @@ def test_oracle_on_the_documented_cases():
 # -- strategies ---------------------------------------------------------------------------------
 
 GOOD_CODE = st.integers(0, CODEBOOK_SIZE - 1)
-BAD_CODE = st.sampled_from([CODEBOOK_SIZE, CODEBOOK_SIZE + 1, 2**31, U32]) | st.integers(CODEBOOK_SIZE, U32)
-GOOD_FRAME = st.lists(GOOD_CODE, min_size=CODES_PER_FRAME, max_size=CODES_PER_FRAME)
+BAD_CODE = st.sampled_from([CODEBOOK_SIZE, CODEBOOK_SIZE + 1, 2**15, 2**16 - 1]) | st.integers(CODEBOOK_SIZE, 2**16 - 1)
+GOOD_CODES = st.lists(GOOD_CODE, min_size=CODES_PER_FRAME, max_size=CODES_PER_FRAME)
+GOOD_FRAME = GOOD_CODES.map(lambda codes: pack([codes]))
 ODD_LENGTH = st.sampled_from([0, 1, 6, 8, 1000])
 ENUM_INT = st.integers(-(2**31), 2**31 - 1)
 
@@ -174,17 +182,20 @@ def any_header(draw) -> tuple:
 
 
 def frames_message(frame=GOOD_FRAME, max_frames: int = 4):
-    return st.lists(frame, max_size=max_frames).map(lambda frames: ("frames", frames))
+    return st.lists(frame, max_size=max_frames).map(lambda frames: ("frames", b"".join(frames)))
 
 
 @st.composite
-def bad_frame(draw) -> list[int]:
-    """A frame with the wrong number of codes, or one code outside 0..4095."""
-    if draw(st.booleans()):
-        return [draw(GOOD_CODE)] * draw(ODD_LENGTH | st.integers(0, 12).filter(lambda n: n != CODES_PER_FRAME))
-    codes = draw(GOOD_FRAME)
+def bad_frame(draw) -> bytes:
+    """A frame with the wrong number of codes, one code outside 0..4095, or a stray byte."""
+    kind = draw(st.sampled_from(["count", "code", "byte"]))
+    if kind == "count":
+        return pack([[draw(GOOD_CODE)] * draw(ODD_LENGTH | st.integers(0, 12).filter(lambda n: n != CODES_PER_FRAME))])
+    codes = draw(GOOD_CODES)
+    if kind == "byte":
+        return pack([codes]) + draw(st.binary(min_size=1, max_size=1))
     codes[draw(st.integers(0, CODES_PER_FRAME - 1))] = draw(BAD_CODE)
-    return codes
+    return pack([codes])
 
 
 def _insert(draw, messages: list, item: tuple) -> None:
@@ -201,7 +212,7 @@ def adversarial_stream(draw) -> list[tuple]:
             ["bad frame", "empty", "header", "end", "after end", "drop", "truncate", "bad header"]
         ))
         if kind == "bad frame":
-            _insert(draw, messages, ("frames", [*draw(st.lists(GOOD_FRAME, max_size=2)), draw(bad_frame())]))
+            _insert(draw, messages, ("frames", b"".join([*draw(st.lists(GOOD_FRAME, max_size=2)), draw(bad_frame())])))
         elif kind == "empty":
             _insert(draw, messages, ("empty",))
         elif kind == "header":
@@ -311,7 +322,7 @@ async def check_against_oracle(snac_server, grpc_channel, sync_channel, messages
 FUZZ = settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-_FRAMES = ("frames", random_frames(5, seed=0).tolist())
+_FRAMES = ("frames", pack(random_frames(5, seed=0).tolist()))
 
 
 @FUZZ
@@ -374,7 +385,7 @@ def _raw(message: tuple) -> bytes:
 
 
 HEADER = _raw(("header", {"policy": codec_pb2.POLICY_STREAMING}))
-FRAMES = _raw(("frames", random_frames(3, seed=3).tolist()))
+FRAMES = _raw(("frames", pack(random_frames(3, seed=3).tolist())))
 END = _raw(("end",))
 def _varint(value: int) -> bytes:
     out = bytearray()
@@ -390,9 +401,8 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-# Frames{Frame{codes: 1,1,1,1,1,1,-1}}: -1 as a 10-byte varint, which no typed client can send.
-_CODES = b"".join(b"\x08" + _varint(c) for c in [1] * 6 + [2**64 - 1])
-NEGATIVE_CODE = _field(2, _field(1, _CODES))
+# Frames{codes: 13 bytes}: six codes and half of a seventh.
+PARTIAL_FRAME = _field(2, _field(2, bytes(13)))
 # SessionHeader.stream_id (proto3 string) holding bytes that are not UTF-8.
 NON_UTF8_ID = _field(1, _field(6, b"\xc3\x28"))
 
@@ -401,7 +411,7 @@ RAW_CASES = {
     "garbage after the header": [HEADER, b"\xff\xff\xff\xff"],
     "truncated message after frames": [HEADER, FRAMES, FRAMES[:-3]],
     "unknown field numbers only": [HEADER, bytes([0xF8, 0x01, 0x01]), END],
-    "negative code": [HEADER, NEGATIVE_CODE, END],
+    "codes not whole frames": [HEADER, PARTIAL_FRAME, END],
     "non-UTF-8 stream_id": [NON_UTF8_ID, END],
     "zero-length messages": [b"", b""],
 }
@@ -427,7 +437,7 @@ def from_request(request: codec_pb2.DecodeRequest) -> tuple:
     if kind == "header":
         return ("header", {field.name: value for field, value in request.header.ListFields()})
     if kind == "frames":
-        return ("frames", [list(frame.codes) for frame in request.frames.frames])
+        return ("frames", request.frames.codes)
     return ("end",) if kind == "end" else ("empty",)
 
 
@@ -482,3 +492,13 @@ async def test_message_over_the_size_limit_is_refused(snac_server, grpc_channel,
     await assert_healthy_and_idle(snac_server, grpc_channel)
     code, details, _ = await run_stream(sync_channel, [HEADER, FRAMES, END])
     assert code == grpc.StatusCode.OK, details
+
+
+async def test_a_contract_v2_client_is_told_unimplemented(snac_server, grpc_channel):
+    """v3 changed how frames are encoded: a v2 client must get a clear status, not misread codes."""
+    call = grpc_channel.stream_stream("/megapod.codec.v2.SnacCodec/Decode", response_deserializer=codec_pb2.PcmChunk.FromString)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call(iter([HEADER, FRAMES, END]), timeout=RPC_TIMEOUT_S):
+            pass
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    await assert_healthy_and_idle(snac_server, grpc_channel)

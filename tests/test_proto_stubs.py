@@ -23,5 +23,5 @@ def test_stubs_import_from_the_package():
     assert spec is not None
     from codec_contract.api import codec_pb2, codec_pb2_grpc
 
-    assert codec_pb2.DESCRIPTOR.package == "megapod.codec.v2"
+    assert codec_pb2.DESCRIPTOR.package == "megapod.codec.v3"
     assert hasattr(codec_pb2_grpc, "SnacCodecStub")

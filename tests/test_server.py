@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 
 import grpc
 import numpy as np
@@ -44,6 +45,24 @@ async def test_streaming_equals_one_full_decode(snac_server, stub, per_message, 
     assert np.abs(stream.audio() - full).max() <= 1e-4
     assert np.abs(full).mean() > 1e-3, "a silent decoder would make this comparison vacuous"
     _assert_complete_and_in_order(stream, 17)
+
+
+# The int16 PCM of random_frames(20, seed=2026), noise seed 77, 3 frames a message, recorded over
+# contract v2 (commit 04d3b6d; torch 2.13.0+cpu, random-24khz weights). Contract v3 changed how
+# frames travel, never the audio. A deliberate change to the decoder or its weights re-records these.
+AUDIO_BEFORE_V3 = {
+    "streaming": "de6c1b682437644ed90b5961f70ac2dec075a15cdad8c0be54e7f3f95497921b",
+    "reference": "4cb64d71aee30ee179540d5d5bedf6bb8fda115c20aabdbc80485888352a76cd",
+}
+
+
+@pytest.mark.parametrize("policy", list(AUDIO_BEFORE_V3))
+async def test_same_frames_and_seed_give_the_same_pcm_as_before_contract_v3(stub, policy):
+    header = header_request(77, policy, sample_format=codec_pb2.SAMPLE_FORMAT_S16LE)
+    stream = await decode(stub, paced_requests(header, random_frames(20, seed=2026), 3))
+    pcm = b"".join(c.pcm for c in stream.chunks)
+    assert len(pcm) == 20 * FRAME_SAMPLES * 2
+    assert hashlib.sha256(pcm).hexdigest() == AUDIO_BEFORE_V3[policy]
 
 
 async def test_reference_emits_every_frame(stub):
@@ -113,12 +132,17 @@ async def test_empty_stream_gets_a_final_chunk(stub):
     assert len(stream.chunks) == 1 and stream.chunks[0].final and stream.chunks[0].pcm == b""
 
 
+def _packed(codes: bytes) -> codec_pb2.DecodeRequest:
+    """A Frames message holding exactly these bytes (frames_request only packs whole frames)."""
+    return codec_pb2.DecodeRequest(frames=codec_pb2.Frames(codes=codes))
+
+
 def _bad_streams():
     good = frames_request(random_frames(2, seed=1))
     return {
         "code out of range": ([header_request(1), frames_request([[0, 1, 2, 3, 4, 5, 4096]])], "outside 0..4095"),
-        "negative-looking code": ([header_request(1), good, frames_request([[2**32 - 1] * 7])], "outside 0..4095"),
-        "frame without 7 codes": ([header_request(1), frames_request([[1, 2, 3]])], "has 3 codes"),
+        "largest uint16 code": ([header_request(1), good, frames_request([[2**16 - 1] * 7])], "outside 0..4095"),
+        "codes not whole frames": ([header_request(1), _packed(b"\x01\x00" * 3)], "6 bytes of codes are not whole frames"),
         "frames after end": ([header_request(1), good, END_REQUEST, good], "after end of stream"),
         "no header": ([good, END_REQUEST], "first message must be a session header"),
         "header twice": ([header_request(1), header_request(2)], "header sent twice"),
@@ -171,13 +195,13 @@ async def test_a_vanished_client_frees_its_session_and_slot(snac_server, stub):
 async def test_health_reflection_and_metrics(snac_server):
     async with grpc.aio.insecure_channel(snac_server.address) as ch:
         health = health_pb2_grpc.HealthStub(ch)
-        for service in ("", "megapod.codec.v2.SnacCodec"):
+        for service in ("", "megapod.codec.v3.SnacCodec"):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         replies = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name async for r in replies for s in r.list_services_response.service}
-        assert {"megapod.codec.v2.SnacCodec", "grpc.health.v1.Health"} <= names
+        assert {"megapod.codec.v3.SnacCodec", "grpc.health.v1.Health"} <= names
     reader, writer = await asyncio.open_connection("127.0.0.1", snac_server.metrics_port)
     writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
     body = (await reader.read()).decode()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from codec_contract.audio import FRAME_SAMPLES, STREAMING_DELAY_SAMPLES
+from codec_contract.audio import FRAME_SAMPLES, STREAMING_DELAY_SAMPLES, pack_frames
 from conftest import random_frames
 from snac_server.frames import InvalidFrames
 from snac_server.session import MAX_FRAME_INDEX, ReferenceSession, SessionSettings, StreamingSession
@@ -37,7 +37,7 @@ def run(session, arrivals: list[int]) -> list:
                 emissions.append(e)
 
     for n in arrivals:
-        session.add_frames(random_frames(n, seed=sent).tolist())
+        session.add_frames(pack_frames(random_frames(n, seed=sent)))
         sent += n
         drain()
     session.end()
@@ -66,7 +66,7 @@ def test_streaming_sends_samples_as_soon_as_their_right_context_arrived():
     session = streaming()
     emitted = []
     for k in range(1, 7):
-        session.add_frames(random_frames(1, seed=k).tolist())
+        session.add_frames(pack_frames(random_frames(1, seed=k)))
         row = session.next_row()
         start = row.frame0 * FRAME_SAMPLES - STREAMING_DELAY_SAMPLES
         e = session.take(row, np.arange(start, start + FRAME_SAMPLES, dtype=np.float32))
@@ -77,7 +77,7 @@ def test_streaming_sends_samples_as_soon_as_their_right_context_arrived():
 
 def test_streaming_rows_take_every_waiting_frame_in_the_largest_bucket():
     session = streaming()
-    session.add_frames(random_frames(11, seed=0).tolist())
+    session.add_frames(pack_frames(random_frames(11, seed=0)))
     first = session.next_row()
     assert (len(first.codes), first.frame0, first.end, first.fresh, first.slot) == (8, 0, OPEN_END, True, 5)
     assert session.next_row() is None, "one row in flight per stream"
@@ -88,7 +88,7 @@ def test_streaming_rows_take_every_waiting_frame_in_the_largest_bucket():
 
 def test_after_the_end_flush_frames_carry_the_length():
     session = streaming()
-    session.add_frames(random_frames(2, seed=0).tolist())
+    session.add_frames(pack_frames(random_frames(2, seed=0)))
     session.end()
     row = session.next_row()
     assert len(row.codes) == 4 and row.end == 2, "2 frames and 2 of the 3 flush frames, which are past the end"
@@ -103,7 +103,7 @@ def test_resume_emits_from_the_requested_sample():
 
 def test_reference_windows_are_one_before_and_two_after_clamped_inside():
     session = reference()
-    session.add_frames(random_frames(6, seed=0).tolist())
+    session.add_frames(pack_frames(random_frames(6, seed=0)))
     starts = []
     while (row := session.next_row()) is not None:
         starts.append((row.frame0, len(row.frames)))
@@ -135,7 +135,7 @@ def test_misuse_is_refused():
     session = streaming()
     session.end()
     with pytest.raises(InvalidFrames, match="after end"):
-        session.add_frames([[0] * 7])
+        session.add_frames(pack_frames([[0] * 7]))
     with pytest.raises(InvalidFrames, match="sent twice"):
         session.end()
 

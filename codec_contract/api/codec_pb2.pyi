@@ -1,8 +1,7 @@
-from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -41,17 +40,11 @@ class SessionHeader(_message.Message):
     stream_id: str
     def __init__(self, seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., sample_format: _Optional[_Union[SampleFormat, str]] = ..., first_frame: _Optional[int] = ..., emit_from_sample: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
-class Frame(_message.Message):
+class Frames(_message.Message):
     __slots__ = ("codes",)
     CODES_FIELD_NUMBER: _ClassVar[int]
-    codes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, codes: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class Frames(_message.Message):
-    __slots__ = ("frames",)
-    FRAMES_FIELD_NUMBER: _ClassVar[int]
-    frames: _containers.RepeatedCompositeFieldContainer[Frame]
-    def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ...) -> None: ...
+    codes: bytes
+    def __init__(self, codes: _Optional[bytes] = ...) -> None: ...
 
 class EndOfStream(_message.Message):
     __slots__ = ()

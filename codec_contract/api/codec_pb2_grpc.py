@@ -35,7 +35,7 @@ class SnacCodecStub:
             channel: A grpc.Channel.
         """
         self.Decode = channel.stream_stream(
-                '/megapod.codec.v2.SnacCodec/Decode',
+                '/megapod.codec.v3.SnacCodec/Decode',
                 request_serializer=codec__contract_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=codec__contract_dot_api_dot_codec__pb2.PcmChunk.FromString,
                 _registered_method=True)
@@ -61,9 +61,9 @@ def add_SnacCodecServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'megapod.codec.v2.SnacCodec', rpc_method_handlers)
+            'megapod.codec.v3.SnacCodec', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('megapod.codec.v2.SnacCodec', rpc_method_handlers)
+    server.add_registered_method_handlers('megapod.codec.v3.SnacCodec', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -84,7 +84,7 @@ class SnacCodec:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/megapod.codec.v2.SnacCodec/Decode',
+            '/megapod.codec.v3.SnacCodec/Decode',
             codec__contract_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
             codec__contract_dot_api_dot_codec__pb2.PcmChunk.FromString,
             options,
