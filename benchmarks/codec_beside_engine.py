@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from concurrency_bench.stack import free_block, stop_tree
+from concurrency_bench.stack import stop_tree
 from provenance import cpu_model, git_commit, timestamp, versions
 
 from codec_contract.audio import CODEBOOK_SIZE
@@ -45,6 +44,7 @@ from llm_server.config import llm_config_from_cli
 from llm_server.engine import Sampling
 from llm_server.prompt import prompt_ids
 from llm_server.runtime import Runtime, codec_client_config
+from megapod.launcher import Child, free_block
 
 FRAMES = 80
 FRAME_INTERVAL_S = 0.025
@@ -62,11 +62,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_replica(port: int, device: str, own_session: bool) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
-         "--device", device], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=own_session, process_group=None if own_session else 0)
+def start_replica(port: int, device: str, own_session: bool) -> Child:
+    return Child(f"codec replica :{port}", [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port",
+                                            str(port), "--metrics-port", "-1", "--device", device],
+                 None, f"grpc://127.0.0.1:{port}", cwd=REPO_ROOT, own_session=own_session).start()
 
 
 async def codec_cadence(codec: CodecClient, seed: int) -> list[float]:
@@ -114,7 +113,7 @@ async def run_case(runtime: Runtime, codec: CodecClient, generating: bool, seed:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    port = args.port or free_block(2, set())
+    port = args.port or free_block(2)
     replicas = [start_replica(port, args.device, own_session=False)]
     runtime = apart = None
     try:
@@ -124,11 +123,9 @@ async def main_async(args: argparse.Namespace) -> dict:
              "--max-model-len", "1024", "--enforce-eager", "true"]))
         apart = CodecClient(codec_client_config(llm_config_from_cli(["--snac", f"127.0.0.1:{port + 1}"])))
         for codec, replica in zip((runtime.codec, apart), replicas):
-            deadline = time.monotonic() + 300
-            while not await codec.ready(timeout_s=5.0):
-                if replica.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"codec replica {replica.args[3:]} did not become ready")
-                await asyncio.sleep(0.5)
+            await asyncio.to_thread(replica.wait_ready, 300)
+            if not await codec.ready(timeout_s=30.0):  # the client's own channel, connected before anything is timed
+                raise RuntimeError(f"{replica.name} is SERVING but the codec client cannot reach it")
         await generate(runtime, 0)  # warm the engine: first-request costs are not the question
         plan = {"alone": (runtime.codec, False), "beside_generation": (runtime.codec, True),
                 "beside_generation_own_session": (apart, True)}

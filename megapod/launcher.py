@@ -3,19 +3,26 @@
 Starts M snac-server replicas and N llm-server workers as child processes (each worker its
 own engine), waits until every one is ready, restarts any that dies, and on stop drains the
 workers first (their streams finish) and then the replicas.
+
+`Child` and `free_ports`/`free_block` are also how the tests and benchmarks start servers: one launcher.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -27,67 +34,132 @@ from .topology import MegaPodConfig
 log = logging.getLogger("megapod")
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports, the kernel's choice (all bound at once, so distinct)."""
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def free_block(n: int, avoid: Collection[int] = ()) -> int:
+    """The first of n consecutive free loopback ports, none in `avoid` (`megapod up` numbers each tier from a base)."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)  # random: concurrent runs rarely pick the same block
+        if avoid and not set(avoid).isdisjoint(range(base, base + n)):
+            continue
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def probe(url: str) -> bool:
+    """Whether a server is ready: grpc://host:port answers the gRPC health check SERVING, http://... a 200."""
+    if url.startswith("grpc://"):
+        try:
+            with grpc.insecure_channel(url.removeprefix("grpc://")) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+    try:
+        return httpx.get(url, timeout=2.0, trust_env=False).status_code == 200  # loopback: never via a proxy
+    except httpx.HTTPError:
+        return False
+
+
 @dataclass
 class Child:
-    """One supervised server process."""
+    """One server process: started, probed until ready, stopped."""
 
     name: str
     argv: list[str]
-    log_path: Path
-    ready_url: str  # http://... for workers, grpc://host:port for replicas
-    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment (GPU pinning)
-    popen: subprocess.Popen | None = None
+    log_path: Path | None  # stdout and stderr appended here; None: discarded
+    ready_url: str = ""  # http://... (a 200) or grpc://host:port (health SERVING)
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment (GPU pinning)
+    cwd: Path | None = None
+    log_stdout: bool = True  # False: stdout discarded, only stderr logged
+    own_session: bool = False  # True only where a benchmark wants its own scheduler autogroup (see start)
+    popen: subprocess.Popen | None = field(default=None, repr=False)
     restarts: int = 0
     started_at: float = field(default=0.0)
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    def start(self) -> Child:
+        out = subprocess.DEVNULL
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = self.log_path.open("ab")
         # A process group of its own: Ctrl-C in the terminal reaches the launcher only, which then
-        # stops the children in order (workers drain before replicas go). Not a session of its own:
-        # Linux's autogroup schedules each session as one unit, and a codec replica in its own
-        # session got no CPU for seconds while a CPU worker generated (benchmarks/codec_beside_engine.py).
-        self.popen = subprocess.Popen(
-            self.argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, process_group=0,
-            env={**os.environ, **self.env},
-        )
+        # stops the children in order (workers drain before replicas go). Not a session of its own
+        # (by default): Linux's autogroup schedules each session as one unit, and a codec replica in its
+        # own session got no CPU for seconds while a CPU worker generated (benchmarks/codec_beside_engine.py).
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, stdout=out if self.log_stdout else subprocess.DEVNULL, stderr=out, cwd=self.cwd,
+                env={**os.environ, **self.env}, start_new_session=self.own_session,
+                process_group=None if self.own_session else 0,
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child has its own descriptor
         self.started_at = time.monotonic()
+        return self
 
     @property
     def pid(self) -> int | None:
         return self.popen.pid if self.popen else None
 
+    @property
+    def port(self) -> int | None:
+        """The port its ready URL names."""
+        return urlsplit(self.ready_url).port
+
     def exited(self) -> int | None:
         return self.popen.poll() if self.popen else None
 
-    async def ready(self) -> bool:
-        if self.ready_url.startswith("grpc://"):
-            return await _grpc_serving(self.ready_url.removeprefix("grpc://"))
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                return (await client.get(self.ready_url)).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
 
-    async def stop(self, timeout_s: float) -> None:
-        """SIGTERM (the servers drain), then SIGKILL after timeout_s."""
+    def tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def ready(self) -> bool:
+        """Ready now; raises if the process has exited (a dead server is never going to be ready)."""
+        if (code := self.exited()) is not None:
+            raise RuntimeError(f"{self.name} exited with {code} during start-up; {self.log_path}:\n{self.tail()}")
+        return probe(self.ready_url)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Until ready; returns the seconds since start. Fails at once, with the log's tail, if it exits."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.tail()}")
+            time.sleep(0.3)
+        return time.monotonic() - self.started_at
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        """`sig` (SIGTERM: the servers drain), then SIGKILL after timeout_s; returns the exit code."""
         if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(self.popen.wait, timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0f s; killing it", self.name, timeout_s)
-            self.popen.kill()
-            await asyncio.to_thread(self.popen.wait)
-
-
-async def _grpc_serving(address: str) -> bool:
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.aio.AioRpcError:
-        return False
+            return self.exited()
+        if sig != signal.SIGKILL:
+            self.popen.send_signal(sig)
+            try:
+                return self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", self.name, timeout_s)
+        # Its whole process group: a worker killed alone left vLLM's engine processes running.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        return self.popen.wait()
 
 
 def visible_gpus(config: MegaPodConfig) -> int:
@@ -134,9 +206,7 @@ class Launcher:
         pending = list(children)
         while pending:
             for child in list(pending):
-                if child.exited() is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.exited()} during start-up; see {child.log_path}")
-                if await child.ready():
+                if await asyncio.to_thread(child.ready):  # a probe blocks: off the loop that supervises and serves
                     log.info("%s ready (%.0f s)", child.name, time.monotonic() - child.started_at)
                     pending.remove(child)
             if pending and time.monotonic() > deadline:
@@ -173,6 +243,6 @@ class Launcher:
         for task in list(self._watchers):
             task.cancel()
         grace = self.config.grace_s + 5.0
-        await asyncio.gather(*(w.stop(grace) for w in self.workers))
-        await asyncio.gather(*(r.stop(grace) for r in self.replicas))
+        await asyncio.gather(*(asyncio.to_thread(w.stop, signal.SIGTERM, grace) for w in self.workers))
+        await asyncio.gather(*(asyncio.to_thread(r.stop, signal.SIGTERM, grace) for r in self.replicas))
         log.info("all MegaPod processes stopped")

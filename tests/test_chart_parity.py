@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import tomllib
@@ -29,7 +27,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from processes import free_port, snac_process, wait_snac_serving
+from processes import snac_process
 from test_deploy_chart import (
     CODEC_SERVICE,
     NAMESPACE,
@@ -58,6 +56,7 @@ from codec_contract.client import channel
 from megapod.cli import main as megapod_main
 from megapod.cluster import CPU, H100
 from megapod.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app, resolve_all
+from megapod.launcher import Child, free_ports
 from megapod.render import CHART, REPO, HelmRender, parse_manifests
 from megapod.topology import MegaPodConfig
 from snac_server.config import SnacServerConfig, config_from_args
@@ -261,7 +260,7 @@ def test_front_settings_are_checked() -> None:
 async def test_no_reachable_worker_is_a_503_not_a_full_house() -> None:
     """Every worker refused the connection (all gone, or all draining): not ready (503), where a 429
     would tell the client that the workers are busy."""
-    dead = free_port()  # nothing listens there
+    dead = free_ports(1)[0]  # nothing listens there
     app = create_front_app([f"http://127.0.0.1:{dead}"])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as client:
         reply = await client.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": "tara"})
@@ -398,22 +397,9 @@ def _run_worker(host: str, port: int, snac_address: str, grace_s: float) -> None
     asyncio.run(serve())
 
 
-def _start_worker(host: str, port: int, snac_port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, host, str(port), f"127.0.0.1:{snac_port}", "30"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=Path(__file__).parent)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready: {log.read_text()[-3000:]}")
+def _worker(host: str, port: int, snac_port: int, log: Path) -> Child:
+    return Child(f"worker {host}", [sys.executable, __file__, host, str(port), f"127.0.0.1:{snac_port}", "30"], log,
+                 f"http://{host}:{port}/ready", cwd=Path(__file__).parent).start()
 
 
 @pytest.fixture
@@ -421,20 +407,17 @@ def two_workers(tmp_path):
     """Worker A on 127.0.0.1:P and worker B on 127.0.0.2:P (one port, two pod addresses), over a real
     codec replica."""
     replica = snac_process().start(tmp_path)
-    port = free_port()
+    port = free_ports(1)[0]
     logs = {h: tmp_path / f"worker-{h}.log" for h in ("127.0.0.1", "127.0.0.2")}
-    procs = {h: _start_worker(h, port, replica.port, logs[h]) for h in logs}
+    procs = {h: _worker(h, port, replica.port, logs[h]) for h in logs}
     try:
-        wait_snac_serving(replica)
-        for host, proc in procs.items():
-            _wait_ready(f"http://{host}:{port}", proc, logs[host])
+        replica.wait_ready()
+        for proc in procs.values():
+            proc.wait_ready(120)
         yield {"port": port, "procs": procs, "logs": logs}
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
-        replica.stop(signal.SIGKILL)
+        for proc in (*procs.values(), replica):
+            proc.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("order", ["endpoints-first", "stale-dns"])
@@ -487,8 +470,7 @@ async def test_a_rolling_update_loses_no_stream(two_workers, order: str) -> None
                 left = time.monotonic()  # from here the front knows A is gone
                 await asyncio.sleep(0.3)  # the endpoint delay: shorter than a stream, so some are in flight
             signalled = time.monotonic()
-            leaving.send_signal(signal.SIGTERM)
-            exit_code = await asyncio.to_thread(leaving.wait, 60)
+            exit_code = await asyncio.to_thread(leaving.stop, signal.SIGTERM, 60)
             exited = time.monotonic()
             dns.answer = ["127.0.0.2"]
             await asyncio.sleep(1.0)  # arrivals after the worker is gone
@@ -515,28 +497,25 @@ async def test_a_rolling_update_loses_no_stream(two_workers, order: str) -> None
 def test_the_front_pod_command_finds_workers_by_dns_and_drains(two_workers, tmp_path) -> None:
     """`megapod front` as the pod runs it (variables, not flags): it resolves the workers' name
     (localhost here: worker A), relays a stream, and on SIGTERM lets that stream finish and exits 0."""
-    port = free_port()
+    port = free_ports(1)[0]
     log = tmp_path / "front.log"
     variables = {"MEGAPOD_FRONT_WORKERS_DNS": f"localhost:{two_workers['port']}", "MEGAPOD_FRONT_PORT": str(port),
                  "MEGAPOD_FRONT_HOST": "127.0.0.1", "MEGAPOD_FRONT_GRACE_S": "30", "MEGAPOD_FRONT_REFRESH_S": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megapod", "front"], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **variables})
+    front = Child("front", [sys.executable, "-m", "megapod", "front"], log, f"http://127.0.0.1:{port}/ready", variables)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", proc, log)
+        front.start().wait_ready(120)
         body = {"model": "tts-1", "input": "Through the front pod.", "voice": "tara", "response_format": "pcm"}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/audio/speech", json=body, timeout=120) as reply:
             assert reply.headers["x-megapod-worker"] == f"http://127.0.0.1:{two_workers['port']}"
             chunks = reply.iter_raw()
             audio = next(chunks)
-            proc.send_signal(signal.SIGTERM)  # mid-stream
+            front.popen.send_signal(signal.SIGTERM)  # mid-stream
             audio += b"".join(chunks)
         assert len(audio) == WORKER_FRAMES * 2048 * 2
-        assert proc.wait(60) == 0, log.read_text()[-2000:]
+        assert front.popen.wait(60) == 0, front.tail()
         assert "draining in-flight streams" in log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        front.stop(signal.SIGKILL)
 
 
 if __name__ == "__main__":

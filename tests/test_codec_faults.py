@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import random_frames
-from processes import hang, scrape, snac_process, unhang, wait_metric_zero, wait_snac_serving
+from processes import hang, scrape, snac_process, unhang, wait_metric_zero
 
 from llm_server.codec_client import CodecClient, CodecClientConfig
 from codec_contract.api import codec_pb2
@@ -32,12 +32,12 @@ def replicas(tmp_path_factory):
     procs = [snac_process(None, "--grace-s", "1").start(log_dir) for _ in range(2)]
     try:
         for proc in procs:
-            wait_snac_serving(proc)
+            proc.wait_ready()
         yield procs
     finally:
         for proc in procs:
             unhang(proc)
-            proc.stop(timeout=10)
+            proc.stop(timeout_s=10)
 
 
 def _client(replicas, **kw) -> CodecClient:

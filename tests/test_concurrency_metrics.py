@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -25,6 +22,7 @@ from concurrency_bench.levels import level_record, throughput
 from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape
 from concurrency_bench.metrics import Counts, Targets, Timeline
 from concurrency_bench.search import Search
+from megapod.launcher import Child, free_ports
 
 SECOND = 48_000  # bytes of one audio second
 
@@ -204,31 +202,16 @@ def test_idle_wait_reads_the_workers_gauges():
 
 
 @pytest.fixture(scope="module")
-def trivial_endpoint():
+def trivial_endpoint(tmp_path_factory):
     """The benchmark's paced fake endpoint: 1 s of audio per request, served at half real time."""
-    port = _free_port()
+    port = free_ports(1)[0]
     script = BENCH / "concurrency_bench" / "fake_endpoint.py"
-    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--ttfa-ms", "50", "--audio-s", "1",
-                             "--pace", "0.5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    endpoint = Child("trivial endpoint", [sys.executable, str(script), "--port", str(port), "--ttfa-ms", "50",
+                                          "--audio-s", "1", "--pace", "0.5"],
+                     tmp_path_factory.mktemp("trivial") / "endpoint.log", f"http://127.0.0.1:{port}/ready")
+    endpoint.start().wait_ready(30)
+    yield f"http://127.0.0.1:{port}"
+    endpoint.stop(timeout_s=10)
 
 
 def _level(url: str, targets: Targets) -> tuple[dict, LevelRun]:

@@ -24,7 +24,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from processes import llm_process, snac_process, wait_http_ready, wait_metric_zero, wait_snac_serving
+from processes import llm_process, snac_process, wait_metric_zero
 
 MAX_BODY_BYTES = 65536  # LlmServerConfig.max_body_bytes (the worker runs on defaults)
 MAX_INPUT_CHARS = 4096  # LlmServerConfig.max_input_chars
@@ -40,8 +40,8 @@ def stack(tmp_path_factory):
     worker = llm_process([r.port for r in replicas], "--max-streams", "4", "--max-model-len", MAX_MODEL_LEN).start(logs)
     try:
         for r in replicas:
-            wait_snac_serving(r)
-        wait_http_ready(worker)
+            r.wait_ready()
+        worker.wait_ready()
         yield {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}"}
     finally:
         for p in [worker, *replicas]:

@@ -3,68 +3,39 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
 import subprocess
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import random_frames
 from codec_contract.api import codec_pb2_grpc
 from codec_contract.client import decode, header_request, paced_requests
 from codec_contract.audio import FRAME_SAMPLES
+from megapod.launcher import Child, free_ports
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while loop.time() < deadline:
-            assert proc.poll() is None, "snac-server exited during start-up"
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.25)
-    raise TimeoutError("snac-server never became SERVING")
-
-
-async def test_sigterm_drains_in_flight_streams_then_exits():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
-         "--device", "cpu", "--grace-s", "30"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+async def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
+    port = free_ports(1)[0]
+    replica = Child("snac-server", [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port),
+                                    "--metrics-port", "-1", "--device", "cpu", "--grace-s", "30"],
+                    tmp_path / "snac.log", f"grpc://127.0.0.1:{port}", {"PYTHONUNBUFFERED": "1"})
     try:
-        address = f"127.0.0.1:{port}"
-        await _wait_serving(address, proc)
-        async with grpc.aio.insecure_channel(address) as ch:
+        await asyncio.to_thread(replica.start().wait_ready, 90)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = codec_pb2_grpc.SnacCodecStub(ch)
             frames = random_frames(16, seed=1)
             # Frames trickle in over ~1.6 s, so SIGTERM lands while the stream is mid-way.
             stream = asyncio.create_task(decode(stub, paced_requests(header_request(3), frames, 1, 0.1)))
             await asyncio.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
+            replica.popen.send_signal(signal.SIGTERM)
             result = await stream
         assert result.chunks[-1].final
         assert len(result.audio()) == 16 * FRAME_SAMPLES
-        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert await asyncio.to_thread(replica.popen.wait, 30) == 0, replica.tail()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        replica.stop(signal.SIGKILL)
 
 
 # A runner whose warm-up raises as CUDA Graph capture did on GPUs (a test double for a broken GPU).
@@ -81,7 +52,7 @@ server.main(sys.argv[1:])
 
 
 def test_a_failed_warm_up_ends_the_process_non_zero_with_the_error_in_the_log():
-    args = ["--host", "127.0.0.1", "--port", str(_free_port()), "--metrics-port", "0", "--device", "cpu"]
+    args = ["--host", "127.0.0.1", "--port", str(free_ports(1)[0]), "--metrics-port", "0", "--device", "cpu"]
     done = subprocess.run([sys.executable, "-c", FAILING_WARM_UP, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert "decoder warm-up failed" in done.stderr

@@ -17,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 
-from processes import llm_process, scrape, snac_process, wait_http_ready, wait_metric_zero, wait_snac_serving
+from processes import llm_process, scrape, snac_process, wait_metric_zero
 
 MAX_STREAMS = 8
 
@@ -30,8 +30,8 @@ def stack(tmp_path_factory):
     worker = llm_process([r.port for r in replicas], "--max-streams", str(MAX_STREAMS)).start(logs)
     try:
         for r in replicas:
-            wait_snac_serving(r)
-        wait_http_ready(worker)
+            r.wait_ready()
+        worker.wait_ready()
         yield {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}", "logs": logs}
     finally:
         for p in [worker, *replicas]:
@@ -251,4 +251,4 @@ def test_killing_the_serving_replica_keeps_the_same_audio(stack):
     assert _s16_diff(audio, undisturbed) <= 2, "resumed audio must match the undisturbed run (to s16 rounding)"
     restarted = snac_process(killed.port).start(stack["logs"])
     stack["replicas"][stack["replicas"].index(killed)] = restarted
-    wait_snac_serving(restarted)
+    restarted.wait_ready()

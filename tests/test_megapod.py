@@ -8,6 +8,7 @@ import io
 import os
 import re
 import signal
+import sys
 import time
 import wave
 from pathlib import Path
@@ -17,6 +18,8 @@ import openai
 import pytest
 
 from processes import megapod_up, scrape
+
+from megapod.launcher import Child, free_ports, probe
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +109,47 @@ def test_ctrl_c_stops_everything_within_20_s(megapod):
     assert megapod["proc"].returncode == 0
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+# -- the launcher's Child (how `megapod up`, the tests and the benchmarks start servers) --------------
+
+
+def test_a_child_is_ready_in_a_process_group_of_its_own_and_stops_on_sigterm(tmp_path):
+    port = free_ports(1)[0]
+    child = Child("http.server", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                  tmp_path / "http.log", f"http://127.0.0.1:{port}/", cwd=tmp_path).start()
+    try:
+        child.wait_ready(600)
+        assert child.port == port and child.alive()
+        assert os.getpgid(child.pid) == child.pid and os.getsid(child.pid) == os.getsid(0)
+    finally:
+        assert child.stop() == -signal.SIGTERM
+    assert not child.alive() and not probe(child.ready_url)
+
+
+def test_a_child_that_exits_during_start_up_fails_wait_ready_with_its_log_tail(tmp_path):
+    script = "print('no such model: tiny-typo'); raise SystemExit(3)"
+    child = Child("early", [sys.executable, "-c", script], tmp_path / "early.log",
+                  f"grpc://127.0.0.1:{free_ports(1)[0]}").start()
+    with pytest.raises(RuntimeError, match=r"early exited with 3 during start-up(?s:.*)no such model: tiny-typo"):
+        child.wait_ready(600)
+
+
+def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
+    """As vLLM's engine processes under a worker: the grandchild holds a pipe's only write end, so the
+    read below ends empty when it is killed with the child, or with its words if it outlived it."""
+    fifo = tmp_path / "engine"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    engine = (f"import os, time; pipe = os.open({str(fifo)!r}, os.O_WRONLY); print('engine up', flush=True); "
+              "time.sleep(60); os.write(pipe, b'outlived its parent')")
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"subprocess.Popen([sys.executable, '-c', {engine!r}]); time.sleep(600)")
+    child = Child("stubborn", [sys.executable, "-c", script], tmp_path / "stubborn.log").start()
+    while "engine up" not in child.tail():  # SIGTERM ignored, the engine started and holding the pipe
+        assert child.alive(), child.tail()
+        time.sleep(0.05)
+    assert child.stop(signal.SIGTERM, timeout_s=1.0) == -signal.SIGKILL
+    assert not child.alive()
+    os.set_blocking(reader, True)
+    assert os.read(reader, 64) == b""

@@ -23,7 +23,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from concurrency_bench.flood import flood
-from processes import llm_process, scrape, snac_process, wait_http_ready, wait_metric_zero, wait_snac_serving
+from processes import llm_process, scrape, snac_process, wait_metric_zero
 
 CAP = 2
 FLOOD_REQUESTS = 200
@@ -37,8 +37,8 @@ def worker(tmp_path_factory):
     replica = snac_process().start(logs)
     llm = llm_process([replica.port], "--max-streams", str(CAP)).start(logs)
     try:
-        wait_snac_serving(replica)
-        wait_http_ready(llm)
+        replica.wait_ready()
+        llm.wait_ready()
         yield llm
     finally:
         for p in (llm, replica):

@@ -7,17 +7,13 @@ installed by `make test`): Pipecat pins protobuf<7, this project's grpcio stack 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from megapod.topology import MegaPodConfig
-from processes import free_block
+from processes import megapod_up
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
@@ -25,29 +21,11 @@ CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """`megapod up` on free ports, as a user runs it."""
-    logs = tmp_path_factory.mktemp("client-stack")
-    base = free_block(6)  # front, worker, two codec replicas and their metrics ports
-    ports = [base, base + 1, base + 2, base + 4]
-    config = MegaPodConfig(workers=1, replicas=2, front_port=ports[0], worker_base_port=ports[1],
-                           snac_base_port=ports[2], snac_metrics_base_port=ports[3])
-    flags = ["--workers", "1", "--replicas", "2", "--front-port", str(ports[0]), "--worker-base-port", str(ports[1]),
-             "--snac-base-port", str(ports[2]), "--snac-metrics-base-port", str(ports[3]), "--llm-device", "cpu",
-             "--snac-device", "cpu", "--enforce-eager", "true", "--max-model-len", "1024"]
-    log = (logs / "up.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "megapod", "up", *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "MEGAPOD_LOG_DIR": str(logs)})
-    try:
-        deadline = time.monotonic() + 420
-        while "MegaPod ready" not in (logs / "up.log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (logs / "up.log").read_text()[-3000:]
-            time.sleep(1)
-        yield {"front": f"http://127.0.0.1:{ports[0]}",
-               "workers": [f"http://127.0.0.1:{p}/metrics" for p in config.worker_ports()],
-               "replicas": [f"http://127.0.0.1:{config.snac_metrics_base_port + j}/metrics" for j in range(config.replicas)]}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+    """`megapod up` on free ports, as a user runs it: the front, a worker, two codec replicas."""
+    with megapod_up(tmp_path_factory.mktemp("client-stack"), workers=1, replicas=2) as up:
+        ports = up["ports"]
+        yield {"front": up["url"], "workers": [f"http://127.0.0.1:{ports['workers']}/metrics"],
+               "replicas": [f"http://127.0.0.1:{ports['metrics'] + j}/metrics" for j in range(2)]}
 
 
 def test_the_frameworks_own_clients_work_unchanged(stack):

@@ -10,19 +10,16 @@ time to first audio.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from megapod.launcher import Child, free_ports
 
 from .corpus import Corpus
 from .levels import level_record
 from .load import Endpoint, Level, LoadShape, Progress
 from .metrics import Targets
-from .stack import free_block
 
 FAKE = Path(__file__).resolve().parent / "fake_endpoint.py"
 SERVED_TTFA_S = 0.05
@@ -32,12 +29,12 @@ SERVED_AUDIO_S = 4.0
 async def headroom_check(streams: int, seconds: float, run_targets: Targets, corpus: Corpus,
                          heaviest: dict[str, Any] | None) -> dict[str, Any]:
     """Drive the trivial endpoint with `streams` real-time streams for `seconds`; judge the client."""
-    port = free_block(1, set())
-    proc = subprocess.Popen([sys.executable, str(FAKE), "--port", str(port), "--ttfa-ms", str(SERVED_TTFA_S * 1000),
-                             "--audio-s", str(SERVED_AUDIO_S), "--pace", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_ports(1)[0]
+    endpoint = Child("the trivial endpoint", [sys.executable, str(FAKE), "--port", str(port), "--ttfa-ms",
+                                              str(SERVED_TTFA_S * 1000), "--audio-s", str(SERVED_AUDIO_S), "--pace", "1"],
+                     None, f"http://127.0.0.1:{port}/ready")
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/ready", proc)
+        endpoint.start().wait_ready(30)
         allowance_buffer = 0.1 * run_targets.buffer_s
         allowance_ttfa = 0.1 * run_targets.ttfa_s
         targets = Targets(ttfa_s=SERVED_TTFA_S + allowance_ttfa, buffer_s=allowance_buffer, pace=1.0,
@@ -49,11 +46,7 @@ async def headroom_check(streams: int, seconds: float, run_targets: Targets, cor
                       progress=Progress(f"client headroom, {streams} streams"))
         record = level_record(await level.run_level(), targets, None)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        endpoint.stop(timeout_s=10)
     factor = {}
     if heaviest:
         for key in ("chunks_per_s", "audio_s_per_s"):
@@ -78,17 +71,3 @@ async def headroom_check(streams: int, seconds: float, run_targets: Targets, cor
         "level": record,
     }
 
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=1.0, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the trivial endpoint exited with {proc.returncode}")
-            try:
-                if client.get(url).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError("the trivial endpoint did not start")

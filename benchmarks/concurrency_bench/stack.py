@@ -1,7 +1,7 @@
 """A local MegaPod started with `megapod up`, on free ports, and the CPU its processes use.
 
-The stack is the product's own launcher, started as a process with the flags given: what is
-measured is exactly what `megapod up` runs. Its processes are found through psutil's process
+The stack is the product's own launcher, started as a process (a megapod.launcher Child) with the flags
+given: what is measured is exactly what `megapod up` runs. Its processes are found through psutil's process
 tree (the launcher starts its children in process groups of their own), both to account their CPU and to
 make sure none is left behind.
 """
@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -25,31 +22,11 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from megapod.launcher import Child, free_block
 from megapod.topology import MegaPodConfig, megapod_config_from_cli
 from provenance import machine_busy_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_block(count: int, avoid: set[int]) -> int:
-    """The first port of `count` consecutive free loopback ports, none of them in `avoid`."""
-    for base in range(20000 + (os.getpid() % 200) * 50, 60000, 37):
-        ports = range(base, base + count)
-        if avoid.intersection(ports):
-            continue
-        try:
-            socks = []
-            for p in ports:
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @dataclass
@@ -61,7 +38,7 @@ class LocalStack:
     log_dir: Path
     argv: list[str] = field(default_factory=list)
     config: MegaPodConfig | None = None  # what `argv` starts, as `megapod up` parses it
-    popen: subprocess.Popen | None = None
+    child: Child | None = None  # the `megapod up` process
     procs: dict[int, psutil.Process] = field(default_factory=dict)  # everything seen under ours, by pid
     startup_s: float | None = None
 
@@ -86,30 +63,16 @@ class LocalStack:
         return f"http://{self.config.host}:{self.config.front_port}"
 
     def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "MEGAPOD_LOG_DIR": str(self.log_dir / self.name), "PYTHONUNBUFFERED": "1"}
-        log = (self.log_dir / f"{self.name}-megapod-up.log").open("ab")
-        self._t_start = time.perf_counter()
-        self.popen = subprocess.Popen(self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True)
+        env = {"MEGAPOD_LOG_DIR": str(self.log_dir / self.name), "PYTHONUNBUFFERED": "1"}
+        # A session of its own: the stack's CPU is scheduled apart from this client's (Linux's autogroup).
+        self.child = Child(f"megapod up ({self.name})", self.argv, self.log_dir / f"{self.name}-megapod-up.log",
+                           f"{self.url}/ready", env, cwd=REPO_ROOT, own_session=True).start()
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
-        """Until the front and every worker answer /ready; returns the start-up seconds."""
-        urls = [f"{self.url}/ready", *(f"http://{self.config.host}:{p}/ready" for p in self.config.worker_ports())]
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self.popen.poll() is not None:
-                    raise RuntimeError(f"megapod up ({self.name}) exited with {self.popen.returncode}:\n{self.tail()}")
-                try:
-                    if all(client.get(u).status_code == 200 for u in urls):
-                        self.startup_s = time.perf_counter() - self._t_start
-                        self.remember()
-                        return self.startup_s
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.tail()}")
+        """Until the front answers /ready (served once every process is ready); returns the start-up seconds."""
+        self.startup_s = self.child.wait_ready(timeout_s)
+        self.remember()
+        return self.startup_s
 
     async def wait_idle(self, timeout_s: float = 60.0) -> float:
         """Until no worker has a stream or an engine request left (cancelled ones drain); returns seconds waited."""
@@ -129,9 +92,9 @@ class LocalStack:
 
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
-        if self.popen is not None and self.popen.poll() is None:
+        if self.child is not None and self.child.alive():
             try:
-                root = psutil.Process(self.popen.pid)
+                root = psutil.Process(self.child.pid)
                 for proc in (root, *root.children(recursive=True)):
                     self.procs.setdefault(proc.pid, proc)
             except psutil.Error:
@@ -157,13 +120,8 @@ class LocalStack:
     def stop(self, timeout_s: float = 90.0) -> None:
         """SIGINT the launcher (it drains workers, then replicas); SIGKILL anything of ours left after."""
         self.remember()
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        if self.child is not None:
+            self.child.stop(signal.SIGINT, timeout_s)
         for proc in self.procs.values():
             try:
                 proc.kill()  # psutil refuses a pid reused by another process
@@ -214,24 +172,18 @@ def _tier(proc: psutil.Process) -> str:
     return "codec" if "snac_server" in cmdline else "llm" if "llm_server" in cmdline or "EngineCore" in proc.name() else "other"
 
 
-def stop_tree(popen: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGTERM a process started here (servers drain on it), then SIGKILL whatever of its tree is left."""
+def stop_tree(child: Child, timeout_s: float = 60.0) -> None:
+    """Stop a process started here (SIGTERM: servers drain), then SIGKILL whatever of its tree is left."""
     try:
-        tree = [psutil.Process(popen.pid), *psutil.Process(popen.pid).children(recursive=True)]
+        tree = psutil.Process(child.pid).children(recursive=True)
     except psutil.Error:
         tree = []
-    if popen.poll() is None:
-        popen.terminate()
-        try:
-            popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+    child.stop(signal.SIGTERM, timeout_s)
     for proc in tree:
         try:
             proc.kill()  # psutil refuses a pid reused by another process
         except psutil.Error:
             pass
-    popen.wait()
 
 
 def cpu_seconds(proc: psutil.Process) -> float:
