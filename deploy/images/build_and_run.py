@@ -37,13 +37,14 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import wave
 from pathlib import Path
+
+from megapod.launcher import free_ports, probe
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = REPO / "deploy" / "images"
@@ -156,10 +157,10 @@ def find_engine(wanted: str) -> Engine:
         if not shutil.which(name):
             reasons.append(f"{name}: not installed")
             continue
-        probe = subprocess.run([name, "info"], check=False, capture_output=True, text=True, timeout=60)
-        if probe.returncode == 0:
+        engine_info = subprocess.run([name, "info"], check=False, capture_output=True, text=True, timeout=60)
+        if engine_info.returncode == 0:
             return Engine(name)
-        reasons.append(f"{name}: `{name} info` failed: {probe.stderr.strip().splitlines()[-1:] or probe.returncode}")
+        reasons.append(f"{name}: `{name} info` failed: {engine_info.stderr.strip().splitlines()[-1:] or engine_info.returncode}")
     raise Failure(
         "no usable container engine (" + "; ".join(reasons) + "). Install podman from Debian's packages "
         "(apt-get install podman runc fuse-overlayfs; `make test-images` does), or start dockerd. "
@@ -396,52 +397,19 @@ def build(engine: Engine, name: str, mirror_url: str) -> dict:
 # ----------------------------------------------------------------------------------- run
 
 
-def free_ports(count: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 def container_running(engine: Engine, name: str) -> bool:
     out = engine("inspect", "--format", "{{.State.Running}}", name, check=False, capture=True)
     return out.returncode == 0 and out.stdout.strip() == "true"
 
 
-def grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def http_ready(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_ready(engine: Engine, checks: dict[str, tuple], started: float, timeout_s: float) -> dict[str, float]:
-    """Poll every container's readiness; seconds from `started` to ready, or fail with its logs."""
+def wait_ready(engine: Engine, checks: dict[str, str], started: float, timeout_s: float) -> dict[str, float]:
+    """Probe every container's ready URL (the launcher's probe); seconds from `started` to ready, or fail with its logs."""
     ready: dict[str, float] = {}
     while len(ready) < len(checks):
-        for name, (probe, arg) in checks.items():
+        for name, url in checks.items():
             if name in ready:
                 continue
-            if probe(arg):
+            if probe(url):
                 ready[name] = round(time.perf_counter() - started, 1)
                 log(f"{name} ready after {ready[name]} s")
             elif not container_running(engine, name):
@@ -519,14 +487,14 @@ def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: d
     ports = free_ports(2 * replicas + 1)
     snac_ports, metric_ports, worker_port = ports[:replicas], ports[replicas:2 * replicas], ports[-1]
     common = ["run", "-d", "--network", "host", *engine.ulimits, "--shm-size", "1g"]
-    checks: dict[str, tuple] = {}
+    checks: dict[str, str] = {}
     started = time.perf_counter()
     for j in range(replicas):
         name = f"{CONTAINER_PREFIX}snac-{j}"
         names.append(name)
         engine(*common, "--name", name, snac_tag, "--host", "127.0.0.1", "--port", str(snac_ports[j]),
                "--metrics-port", str(metric_ports[j]), "--device", "cpu", "--model", "random-24khz", capture=True)
-        checks[name] = (grpc_serving, f"127.0.0.1:{snac_ports[j]}")
+        checks[name] = f"grpc://127.0.0.1:{snac_ports[j]}"
     name = f"{CONTAINER_PREFIX}llm-0"
     names.append(name)
     snac = ",".join(f"127.0.0.1:{p}" for p in snac_ports)
@@ -534,7 +502,7 @@ def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: d
            "--model", "tiny", "--device", "cpu", "--enforce-eager", "true", "--max-model-len", "2048",
            "--cpu-kv-cache-gb", "1", capture=True)
     endpoint = f"http://127.0.0.1:{worker_port}"
-    checks[name] = (http_ready, f"{endpoint}/ready")
+    checks[name] = f"{endpoint}/ready"
     log(f"started {replicas} codec replica(s) on {snac} and a worker on {endpoint}; waiting for readiness")
     ready = wait_ready(engine, checks, started, ready_timeout_s)
     result["stack"] = {"codec_replicas": replicas, "codec_addresses": snac, "worker_endpoint": endpoint,
