@@ -51,7 +51,7 @@ from concurrency_bench.metrics import BYTES_PER_AUDIO_S
 from concurrency_bench.stack import cpu_seconds, gauge, stop_tree
 from provenance import record
 
-from codec_contract.audio import CODEBOOK_SIZE, FRAME_SAMPLES
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
 from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
 from llm_server.vllm_engine import STREAM_INTERVAL
 from megapod.launcher import Child, free_block, free_ports
@@ -339,6 +339,82 @@ def api_process_cpu_per_token(proc: psutil.Process, port: int, counter: str, n: 
             "api_process_cpu_s": round(cpu, 2), "us_per_token": round(1e6 * cpu / max(1.0, generated), 1)}
 
 
+# ------------------------------------------------------------------------------------ the codec alone
+
+async def _paced_frames(frames: np.ndarray, frame_s: float, last_sent: list[float], tally: dict):
+    """Header, a frame every frame_s (an engine at real time), end; last_sent[0]: when the latest went."""
+    from codec_contract.api import codec_pb2
+    from codec_contract.client import END_REQUEST, frames_request, header_request
+
+    yield header_request(random.getrandbits(32), sample_format=codec_pb2.SAMPLE_FORMAT_S16LE)
+    due = time.perf_counter()
+    for i in range(len(frames)):
+        last_sent[0] = time.perf_counter()
+        yield frames_request(frames[i : i + 1])
+        tally["frames"] += 1
+        due += frame_s
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+    last_sent[0] = time.perf_counter()  # the tail's chunk is owed from the end on
+    yield END_REQUEST
+
+
+async def codec_stream(stub, frames: np.ndarray, frame_s: float, stop: asyncio.Event, tally: dict) -> None:
+    """One stream straight into the replica, again and again. Each chunk's lateness: its arrival
+    after the message that made it final was sent."""
+    await asyncio.sleep(random.random() * frame_s)  # streams out of phase, as an engine's are
+    while not stop.is_set():
+        last_sent = [0.0]
+        async for chunk in stub.Decode(_paced_frames(frames, frame_s, last_sent, tally)):
+            if chunk.pcm:
+                tally["late"].append(time.perf_counter() - last_sent[0])
+
+
+def chunks_within(metrics_port: int, seconds: float) -> tuple[float, float]:
+    """The replica's own count of chunks sent within `seconds` of becoming decodable, and of all chunks."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False).text
+    buckets = {float(x.labels["le"]): x.value for f in text_string_to_metric_families(text) for x in f.samples
+               if x.name == "snac_chunk_latency_seconds_bucket"}
+    return buckets[min(le for le in buckets if le >= seconds)], buckets[float("inf")]
+
+
+async def codec_level(n: int, seconds: float, ports: tuple[int, int], replica: psutil.Process, frame_s: float) -> dict:
+    """n real-time streams on the replica: its CPU per frame and cores, this driver's cores, chunk lateness
+    as the driver sees it (its own loop's delays included) and as the replica measures it."""
+    port, metrics_port = ports
+    from codec_contract.api import codec_pb2_grpc
+    from codec_contract.client import channel
+
+    frames = np.random.default_rng(n).integers(0, CODEBOOK_SIZE, size=(60, CODES_PER_FRAME))
+    stop, tally = asyncio.Event(), {"frames": 0, "late": []}
+    me = psutil.Process(os.getpid())
+    async with channel(f"127.0.0.1:{port}") as ch:
+        stub = codec_pb2_grpc.SnacCodecStub(ch)
+        tasks = [asyncio.create_task(codec_stream(stub, frames, frame_s, stop, tally)) for _ in range(n)]
+        await asyncio.sleep(3.0)  # every stream under way
+        before = (time.perf_counter(), cpu_seconds(replica), cpu_seconds(me), tally["frames"])
+        on_time = chunks_within(metrics_port, frame_s)
+        tally["late"].clear()
+        await asyncio.sleep(seconds)
+        after = (time.perf_counter(), cpu_seconds(replica), cpu_seconds(me), tally["frames"])
+        on_time = [b - a for a, b in zip(on_time, chunks_within(metrics_port, frame_s))]
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    wall, codec_s, driver_s, sent = (b - a for a, b in zip(before, after))
+    late = sorted(tally["late"])
+    return {"streams": n, "offered_frames_per_s": round(n / frame_s), "frames_per_s": round(sent / wall),
+            "codec_us_per_frame": round(codec_s / sent * 1e6, 1),
+            "cores": {"codec": round(codec_s / wall, 3), "driver": round(driver_s / wall, 3)},
+            "chunk_lateness_ms": {"p50": _ms(late[len(late) // 2]), "p99": _ms(late[int(0.99 * (len(late) - 1))]),
+                                  "max": _ms(late[-1])},
+            "replica_chunks_within_a_frame": round(on_time[0] / on_time[1], 4),
+            "real_time": late[int(0.99 * (len(late) - 1))] < frame_s}
+
+
 def versus_vllm(args: argparse.Namespace) -> dict:
     """The worker on the real CPU engine (the codec replica a double) and vLLM's own OpenAI server on the
     same tiny model and engine settings, one after the other, under the same n streams."""
@@ -411,6 +487,8 @@ def main() -> None:
                         help="tokens per engine output, as llm-server asks vLLM for them (1: every token)")
     parser.add_argument("--versus-vllm", type=int, default=0, metavar="N",
                         help="instead: llm-server on the real CPU engine against vLLM's OpenAI server, N streams each")
+    parser.add_argument("--codec-streams", default="", metavar="N,N",
+                        help="instead: the codec replica alone, N real-time streams each straight from this process")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--snac", default="")
@@ -427,6 +505,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return None
+    if args.codec_streams:
+        return codec_alone(args)
     ports = dict(zip(("codec", "codec_metrics", "worker"), free_ports(3)))
     logs = Path("/tmp/serving-cpu")
     logs.mkdir(exist_ok=True)
@@ -458,19 +538,46 @@ def main() -> None:
     plot(result, Path(args.out).with_suffix(".png"))
 
 
-def plot(result: dict, path: Path) -> None:
+def codec_alone(args: argparse.Namespace) -> None:
+    """The replica (decoder double) driven straight over gRPC: far cheaper than a worker per frame, so
+    two cores reach the frame rates one replica takes in the MegaPod (7 x 250 x 11.7 / 3 = 6,800/s)."""
+    port, metrics_port = free_ports(2)
+    logs = Path("/tmp/serving-cpu")
+    logs.mkdir(exist_ok=True)
+    codec = start(["--role", "codec", "--port", str(port), "--metrics-port", str(metrics_port)], logs / "codec.log",
+                  f"grpc://127.0.0.1:{port}")
+    frame_s = args.step_ms / 1000 * CODES_PER_FRAME  # a frame of tokens at the engine's pace
+    try:
+        codec.wait_ready(120)
+        replica = psutil.Process(codec.pid)
+        asyncio.run(codec_level(8, 3.0, (port, metrics_port), replica, frame_s))  # warm-up
+        levels = []
+        for n in [int(x) for x in args.codec_streams.split(",")]:
+            levels.append(asyncio.run(codec_level(n, args.seconds, (port, metrics_port), replica, frame_s)))
+            print(json.dumps(levels[-1]), flush=True)
+    finally:
+        stop_tree(codec, 30)
+    result = {"benchmark": "serving_cpu --codec-streams", "step_ms": args.step_ms, "levels": levels,
+              "provenance": record(PACKAGES)}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, Path(args.out).with_suffix(".png"), who=("codec", "driver"), x="frames_per_s",
+         xlabel="frames/s into one codec replica (decoder double)")
+
+
+def plot(result: dict, path: Path, who: tuple[str, ...] = ("worker", "codec", "client"), x: str = "streams",
+         xlabel: str = "") -> None:
+    """Cores each process used against the load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     levels = result["levels"]
-    n = [x["streams"] for x in levels]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for who in ("worker", "codec", "client"):
-        ax.plot(n, [x["cores"][who] for x in levels], marker="o", label=f"{who} process")
+    for name in who:
+        ax.plot([v[x] for v in levels], [v["cores"][name] for v in levels], marker="o", label=f"{name} process")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("concurrent streams (engine double at %.1f ms steps)" % result["step_ms"])
+    ax.set_xlabel(xlabel or f"concurrent streams (engine double at {result['step_ms']:.1f} ms steps)")
     ax.set_ylabel("cores used")
     ax.legend()
     fig.tight_layout()

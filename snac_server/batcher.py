@@ -72,21 +72,27 @@ class SlotPool:
             return self.size - len(self._free)
 
 
-def _resolve(future: asyncio.Future, result: np.ndarray | BaseException) -> None:
-    if future.done():  # the stream went away while its row was decoding
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+def _resolve(results: list[tuple[asyncio.Future, np.ndarray | BaseException]]) -> None:
+    for future, result in results:
+        if future.done():  # the stream went away while its row was decoding
+            continue
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
-def _hand_back(job: DecodeJob, result: np.ndarray | BaseException) -> None:
-    """Resolve the job's future on its own event loop (thread-safe)."""
-    try:
-        job.loop.call_soon_threadsafe(_resolve, job.future, result)
-    except RuntimeError:  # that stream's event loop is closed
-        pass
+def _hand_back(jobs: list[DecodeJob], results: list[np.ndarray | BaseException]) -> None:
+    """Resolve the jobs' futures on their event loops: one wake-up of each loop for all of its rows,
+    not one per row (each call_soon_threadsafe writes the loop's self-pipe: a syscall on both sides)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for job, result in zip(jobs, results):
+        by_loop.setdefault(job.loop, []).append((job.future, result))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, pairs)
+        except RuntimeError:  # that event loop is closed
+            pass
 
 
 class MicroBatcher:
@@ -181,9 +187,8 @@ class MicroBatcher:
         done: set[int] = set()
 
         def publish(indices: list[int], pcms: list[np.ndarray]) -> None:
-            for i, pcm in zip(indices, pcms):
-                done.add(i)
-                _hand_back(jobs[i], pcm)
+            done.update(indices)
+            _hand_back([jobs[i] for i in indices], pcms)
 
         try:
             self._runner.decode([j.row for j in jobs], publish)
@@ -197,7 +202,7 @@ class MicroBatcher:
 
     def _decode_alone(self, job: DecodeJob) -> None:
         try:
-            self._runner.decode([job.row], lambda _, pcms: _hand_back(job, pcms[0]))
+            self._runner.decode([job.row], lambda _, pcms: _hand_back([job], pcms[:1]))
         except Exception as exc:
             log.error("decode of one stream's row failed: %s", exc)
-            _hand_back(job, exc)
+            _hand_back([job], [exc])

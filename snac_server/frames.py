@@ -33,9 +33,8 @@ def validate_codes(packed: bytes) -> np.ndarray:
         codes = unpack_frames(packed)
     except ValueError as exc:
         raise InvalidFrames(str(exc)) from None
-    bad = np.flatnonzero(codes >= CODEBOOK_SIZE)  # uint16 on the wire: never negative
-    if bad.size:
-        i, slot = divmod(int(bad[0]), CODES_PER_FRAME)
+    if codes.size and codes.max() >= CODEBOOK_SIZE:  # uint16 on the wire: never negative
+        i, slot = divmod(int(np.flatnonzero(codes >= CODEBOOK_SIZE)[0]), CODES_PER_FRAME)
         raise InvalidFrames(f"frame {i} slot {slot}: code {int(codes[i, slot])} is outside 0..{CODEBOOK_SIZE - 1}")
     return codes
 

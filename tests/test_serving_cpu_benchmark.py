@@ -25,3 +25,17 @@ def test_a_small_level_writes_its_figures(tmp_path):
     assert level["worker_us_per_token"] > 0 and level["codec_us_per_frame"] > 0
     assert set(level["cores"]) == {"worker", "codec", "client"}
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_codec_alone_writes_its_figures(tmp_path):
+    """--codec-streams: the replica driven straight over gRPC; every frame sent comes back as audio
+    the replica counted, and each level says whether the replica kept its chunks within a frame."""
+    out = tmp_path / "codec.json"
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--codec-streams", "4", "--seconds", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["streams"] == 4 and level["frames_per_s"] > 0 and level["codec_us_per_frame"] > 0
+    assert set(level["cores"]) == {"codec", "driver"}
+    assert 0.0 <= level["replica_chunks_within_a_frame"] <= 1.0
+    assert out.with_suffix(".png").stat().st_size > 0
