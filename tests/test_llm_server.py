@@ -138,8 +138,9 @@ def test_client_disconnect_aborts_the_engine_request(stack):
         audio = r.iter_raw()
         next(audio)  # audio is flowing
         assert scrape(stack["worker"].port, "orpheus_active_streams") == 1
-    left = wait_metric_zero(stack["worker"].port, "orpheus_engine_unfinished_requests", within_s=1.0)
-    assert left == 0, f"the engine still holds {left} request(s) 1 s after the client left"
+    # A hang guard, not the test: the token count below says whether the request was aborted.
+    left = wait_metric_zero(stack["worker"].port, "orpheus_engine_unfinished_requests", within_s=10.0)
+    assert left == 0, f"the engine still holds {left} request(s) 10 s after the client left"
     time.sleep(1.0)
     generated = scrape(stack["worker"].port, "orpheus_generated_tokens_total") - tokens_before
     assert generated < 700, f"{generated} tokens: the request ran to its budget instead of being aborted"
@@ -167,11 +168,12 @@ def test_random_disconnects_release_the_engine_codec_and_slots(stack):
                 if got >= limit:
                     break
     port = stack["worker"].port
+    # Generous hang guards (a leak never reaches 0; a loaded CI machine notices a gone client late).
     for name in ("orpheus_engine_unfinished_requests", "orpheus_active_streams"):
-        left = wait_metric_zero(port, name, within_s=15)
+        left = wait_metric_zero(port, name, within_s=120)
         assert left == 0, f"{name} still {left} after the clients left"
     for replica in stack["replicas"]:
-        assert wait_metric_zero(replica.metrics_port, "snac_active_streams", within_s=15) == 0
+        assert wait_metric_zero(replica.metrics_port, "snac_active_streams", within_s=120) == 0
     before = _frames_generated(stack)
     pcm = np.frombuffer(httpx.post(url, json={**body, "response_format": "pcm"}, timeout=300).content, "<i2")
     assert len(pcm) == 2048 * (_frames_generated(stack) - before) > 0
