@@ -153,13 +153,19 @@ class DecoderRunnerDouble:
 
 # ------------------------------------------------------------------------------------ the processes
 
-def run_codec(port: int, metrics_port: int, max_streams: int) -> None:
-    """snac-server's own serve(), with the runner double instead of the model."""
+def run_codec(port: int, metrics_port: int, max_streams: int, lag_file: str = "") -> None:
+    """snac-server's own serve(), with the runner double instead of the model; its loop's lag to lag_file."""
     from snac_server.config import SnacServerConfig
     from snac_server.server import serve
 
     config = SnacServerConfig(host="127.0.0.1", port=port, metrics_port=metrics_port, max_streams=max_streams, device="cpu")
-    asyncio.run(serve(config, runner=DecoderRunnerDouble(max_streams)))
+
+    async def main() -> None:
+        if lag_file:
+            asyncio.create_task(_watch_loop(lag_file))  # as the worker role does: lives as long as the server
+        await serve(config, runner=DecoderRunnerDouble(max_streams))
+
+    asyncio.run(main())
 
 
 def run_worker(port: int, snac: str, step_s: float, frames: int, stream_interval: int, lag_file: str) -> None:
@@ -276,8 +282,7 @@ async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path
     cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in procs.items()}
     after = await _counters(ports)
     tokens, frames = after["tokens"] - before["tokens"], after["frames"] - before["frames"]
-    lags = [json.loads(line) for line in lag_file.read_text().splitlines()]
-    lags = [x for x in lags if t0 + 1 <= x[0] <= t0 + wall]
+    lags = loop_lags(lag_file, t0, wall)
     done = [r for r in results if "error" not in r]
     return {
         "streams": n, "wall_s": round(wall, 2), "requests": len(results), "errors": len(results) - len(done),
@@ -286,12 +291,20 @@ async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path
         "worker_us_per_token": round(1e6 * cpu["worker"] / max(1, tokens), 1),
         "codec_us_per_frame": round(1e6 * cpu["codec"] / max(1, frames), 1),
         "cores": {k: round(v / wall, 3) for k, v in cpu.items()},
-        "worker_loop_lag_ms": {"p50": _ms(statistics.median([x[1] for x in lags])) if lags else None,
-                               "p99_max_over_seconds": _ms(max(x[2] for x in lags)) if lags else None,
-                               "max": _ms(max(x[3] for x in lags)) if lags else None},
-        "worker_gc_pause_max_ms": [_ms(max(x[4][g] for x in lags)) if lags else None for g in range(3)],
+        "worker_loop_lag_ms": lags["loop_lag_ms"],
+        "worker_gc_pause_max_ms": lags["gc_pause_max_ms"],
         "ttfa_p50_s": round(statistics.median([r["chunks"][0][0] - r["sent"] for r in done]), 3) if done else None,
     }
+
+
+def loop_lags(lag_file: Path, t0: float, wall: float) -> dict:
+    """A process's event-loop lag and collector pauses (its _watch_loop lines) over [t0 + 1, t0 + wall]."""
+    lags = [json.loads(line) for line in lag_file.read_text().splitlines()]
+    lags = [x for x in lags if t0 + 1 <= x[0] <= t0 + wall]
+    return {"loop_lag_ms": {"p50": _ms(statistics.median([x[1] for x in lags])) if lags else None,
+                            "p99_max_over_seconds": _ms(max(x[2] for x in lags)) if lags else None,
+                            "max": _ms(max(x[3] for x in lags)) if lags else None},
+            "gc_pause_max_ms": [_ms(max(x[4][g] for x in lags)) if lags else None for g in range(3)]}
 
 
 def _ms(seconds: float) -> float:
@@ -380,7 +393,8 @@ def chunks_within(metrics_port: int, seconds: float) -> tuple[float, float]:
     return buckets[min(le for le in buckets if le >= seconds)], buckets[float("inf")]
 
 
-async def codec_level(n: int, seconds: float, ports: tuple[int, int], replica: psutil.Process, frame_s: float) -> dict:
+async def codec_level(n: int, seconds: float, ports: tuple[int, int], replica: psutil.Process, frame_s: float,
+                      lag_file: Path) -> dict:
     """n real-time streams on the replica: its CPU per frame and cores, this driver's cores, chunk lateness
     as the driver sees it (its own loop's delays included) and as the replica measures it."""
     port, metrics_port = ports
@@ -395,6 +409,7 @@ async def codec_level(n: int, seconds: float, ports: tuple[int, int], replica: p
         tasks = [asyncio.create_task(codec_stream(stub, frames, frame_s, stop, tally)) for _ in range(n)]
         await asyncio.sleep(3.0)  # every stream under way
         before = (time.perf_counter(), cpu_seconds(replica), cpu_seconds(me), tally["frames"])
+        t0 = time.time()
         on_time = chunks_within(metrics_port, frame_s)
         tally["late"].clear()
         await asyncio.sleep(seconds)
@@ -412,6 +427,7 @@ async def codec_level(n: int, seconds: float, ports: tuple[int, int], replica: p
             "chunk_lateness_ms": {"p50": _ms(late[len(late) // 2]), "p99": _ms(late[int(0.99 * (len(late) - 1))]),
                                   "max": _ms(late[-1])},
             "replica_chunks_within_a_frame": round(on_time[0] / on_time[1], 4),
+            "codec_loop_lag_ms": loop_lags(lag_file, t0, wall)["loop_lag_ms"],
             "real_time": late[int(0.99 * (len(late) - 1))] < frame_s}
 
 
@@ -496,7 +512,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks/results/serving_cpu.json"))
     args = parser.parse_args()
     if args.role == "codec":
-        return run_codec(args.port, args.metrics_port, 4096)
+        return run_codec(args.port, args.metrics_port, 4096, args.lag_file)
     if args.role == "worker":
         return run_worker(args.port, args.snac, args.step_ms / 1000, args.frames, args.stream_interval, args.lag_file)
 
@@ -544,16 +560,19 @@ def codec_alone(args: argparse.Namespace) -> None:
     port, metrics_port = free_ports(2)
     logs = Path("/tmp/serving-cpu")
     logs.mkdir(exist_ok=True)
-    codec = start(["--role", "codec", "--port", str(port), "--metrics-port", str(metrics_port)], logs / "codec.log",
+    lag_file = logs / "codec-lag.jsonl"
+    lag_file.write_text("")
+    codec = start(["--role", "codec", "--port", str(port), "--metrics-port", str(metrics_port), "--lag-file", str(lag_file)],
+                  logs / "codec.log",
                   f"grpc://127.0.0.1:{port}")
     frame_s = args.step_ms / 1000 * CODES_PER_FRAME  # a frame of tokens at the engine's pace
     try:
         codec.wait_ready(120)
         replica = psutil.Process(codec.pid)
-        asyncio.run(codec_level(8, 3.0, (port, metrics_port), replica, frame_s))  # warm-up
+        asyncio.run(codec_level(8, 3.0, (port, metrics_port), replica, frame_s, lag_file))  # warm-up
         levels = []
         for n in [int(x) for x in args.codec_streams.split(",")]:
-            levels.append(asyncio.run(codec_level(n, args.seconds, (port, metrics_port), replica, frame_s)))
+            levels.append(asyncio.run(codec_level(n, args.seconds, (port, metrics_port), replica, frame_s, lag_file)))
             print(json.dumps(levels[-1]), flush=True)
     finally:
         stop_tree(codec, 30)

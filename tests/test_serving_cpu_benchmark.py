@@ -38,4 +38,5 @@ def test_the_codec_alone_writes_its_figures(tmp_path):
     assert level["streams"] == 4 and level["frames_per_s"] > 0 and level["codec_us_per_frame"] > 0
     assert set(level["cores"]) == {"codec", "driver"}
     assert 0.0 <= level["replica_chunks_within_a_frame"] <= 1.0
+    assert level["codec_loop_lag_ms"]["max"] is not None, "the replica's own loop watcher reported"
     assert out.with_suffix(".png").stat().st_size > 0
