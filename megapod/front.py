@@ -97,10 +97,14 @@ class WorkerPool:
         for url in list(self.active):
             self._forget_if_gone(url)
 
-    def acquire(self, url: str) -> None:
+    def acquire(self, url: str) -> bool:
         """Hold a slot on `url` from before its request is sent: concurrent requests spread, and a
-        refresh meanwhile cannot forget a worker a request is still waiting on."""
-        self.active[url] = self.active.get(url, 0) + 1
+        refresh meanwhile cannot forget a worker a request is still waiting on. False (no slot) if
+        `url` left the pool since order() was taken: a worker that left gets no new stream."""
+        if url not in self.urls:
+            return False
+        self.active[url] += 1
+        return True
 
     def release(self, url: str) -> None:
         self.active[url] -= 1
@@ -207,7 +211,8 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         at_limit = False
         for url in pool.order():
-            pool.acquire(url)
+            if not pool.acquire(url):
+                continue
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers), stream=True)
             except httpx.HTTPError as exc:  # refused (a worker that left or is draining): the next one
@@ -220,8 +225,8 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             routed.labels(url, str(upstream.status_code)).inc()
             if upstream.status_code == 429:
                 at_limit = True
+                pool.release(url)  # before the await: a cancellation there must not keep the slot
                 await upstream.aclose()
-                pool.release(url)
                 continue
             return _relay(upstream, url, pool, active, request)
         if not at_limit:
@@ -298,23 +303,41 @@ async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, h
     return error_response(503, "no worker reachable")
 
 
-def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, request: Request) -> StreamingResponse:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-    headers["x-megapod-worker"] = url
-    active.labels(url).inc()  # the pool's slot was taken before the request went out
+class _RelayedResponse(StreamingResponse):
+    """A worker's reply streamed on; however the response ends (the last byte, an error, a client gone
+    before the body began: then the body's generator never runs), the upstream closes and `done` runs."""
 
-    async def stream() -> AsyncIterator[bytes]:
+    def __init__(self, upstream: httpx.Response, done: Callable[[], None], request: Request, headers: dict) -> None:
+        super().__init__(self._body(upstream, request), status_code=upstream.status_code, headers=headers)
+        self._upstream, self._done = upstream, done
+
+    @staticmethod
+    async def _body(upstream: httpx.Response, request: Request) -> AsyncIterator[bytes]:
         watcher = asyncio.create_task(_close_on_disconnect(request, upstream))
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
         finally:
             watcher.cancel()
-            await upstream.aclose()
-            active.labels(url).dec()
-            pool.release(url)
 
-    return StreamingResponse(stream(), status_code=upstream.status_code, headers=headers)
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._done()
+            await self._upstream.aclose()
+
+
+def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, request: Request) -> StreamingResponse:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+    headers["x-megapod-worker"] = url
+    active.labels(url).inc()  # the pool's slot was taken before the request went out
+
+    def done() -> None:
+        active.labels(url).dec()
+        pool.release(url)
+
+    return _RelayedResponse(upstream, done, request, headers)
 
 
 async def _close_on_disconnect(request: Request, upstream: httpx.Response) -> None:
@@ -330,7 +353,8 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
     target = ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
     headers = {name: ws.headers[name] for name in _PASSED_HEADERS if name in ws.headers}
     for url in pool.order():
-        pool.acquire(url)
+        if not pool.acquire(url):
+            continue
         try:
             upstream = await connect("ws" + url.removeprefix("http") + target, additional_headers=headers)
         except InvalidStatus:  # the worker refused the handshake (a missing or unknown key): so does the front
@@ -349,13 +373,14 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
         await ws.accept()
         await ws.close(TRY_AGAIN_LATER, "no worker reachable")
         return
-    await ws.accept()
     active.labels(url).inc()  # the pool's slot was taken before the handshake
     try:
+        await ws.accept()  # inside: a client gone here must not keep the slot or the worker's socket
         await _pump_both_ways(ws, upstream)
     finally:
         active.labels(url).dec()
         pool.release(url)
+        await upstream.close()
 
 
 def _forget_series(*metrics: Gauge | Counter) -> Callable[[str], None]:

@@ -55,8 +55,9 @@ class SnacServerConfig:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {self.policy!r}")
         if self.health_port < -1 or self.metrics_port < -1:
             raise ValueError("health_port and metrics_port are a port, 0 (a free one) or -1 (off)")
-        if self.health_port > 0 and self.health_port in (self.port, self.metrics_port):
-            raise ValueError(f"health_port {self.health_port} is also port or metrics_port: it needs a port of its own")
+        fixed = [p for p in (self.port, self.metrics_port, self.health_port) if p > 0]
+        if len(set(fixed)) != len(fixed):  # one would fail to bind at start-up
+            raise ValueError(f"port, metrics_port and health_port {fixed}: each needs a port of its own")
         if self.max_batch < 1 or self.max_streams < 1 or self.max_wait_ms < 0 or self.max_step_frames < 0:
             raise ValueError("max_batch and max_streams must be >= 1, max_wait_ms and max_step_frames >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):

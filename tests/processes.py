@@ -14,9 +14,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megapod.launcher import Child, free_block, free_ports
+from megapod.launcher import Child, free_ports
 
-REPO = Path(__file__).resolve().parent.parent
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
 UNBUFFERED = {"PYTHONUNBUFFERED": "1"}  # a log's tail is up to date when a test fails
 
@@ -33,7 +32,8 @@ class Server(Child):
 
 
 def snac_process(port: int | None = None, *extra: str) -> Server:
-    port, metrics = port or free_ports(1)[0], free_ports(1)[0]
+    metrics, fresh = free_ports(2)  # distinct: two separate calls could return the same port
+    port = port or fresh
     args = [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port),
             "--metrics-port", str(metrics), "--device", "cpu", "--max-wait-ms", "10", *extra]
     return Server("snac_server", args, None, f"grpc://127.0.0.1:{port}", UNBUFFERED, metrics_port=metrics)
@@ -75,21 +75,23 @@ def unhang(proc: Child) -> None:
 
 @contextlib.contextmanager
 def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | None = None) -> Iterator[dict]:
-    """`megapod up` on a free port block (real vLLM on the CPU, random weights), as a user runs it,
-    until its front is ready; SIGINT (then SIGKILL) at the end. Yields proc (the Popen), log, url and
-    ports (front, workers / snac / metrics: each tier's base port)."""
-    base = free_block(1 + 2 * workers + replicas)
-    ports = {"front": base, "workers": base + 1, "snac": base + 1 + workers, "metrics": base + 1 + workers + replicas}
-    flags = ["--workers", str(workers), "--replicas", str(replicas), "--front-port", str(ports["front"]),
-             "--worker-base-port", str(ports["workers"]), "--snac-base-port", str(ports["snac"]),
-             "--snac-metrics-base-port", str(ports["metrics"]), "--enforce-eager", "true", "--max-model-len", "1024",
-             "--llm-device", "cpu", "--snac-device", "cpu"]
+    """`megapod up` on free ports (real vLLM on the CPU, random weights), as a user runs it, until its
+    front is ready; SIGINT (then SIGKILL of all it started) at the end: the benchmarks' LocalStack.
+    Yields proc (the Popen), log, url and ports (front, workers / snac / metrics: each tier's base port)."""
+    # Imported here: pytest puts benchmarks/ on the path, test files run as scripts do not.
+    from concurrency_bench.stack import LocalStack
+
+    flags = ["--workers", str(workers), "--replicas", str(replicas), "--enforce-eager", "true",
+             "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu"]
     flags += ["--max-streams-per-worker", str(max_streams)] if max_streams else []
-    url = f"http://127.0.0.1:{ports['front']}"
-    up = Child("megapod-up", [sys.executable, "-m", "megapod", "up", *flags], log_dir / "up.log", f"{url}/ready",
-               {"MEGAPOD_LOG_DIR": str(log_dir)}, cwd=REPO)
+    stack = LocalStack("up", flags, log_dir)
+    stack.plan(set())
     try:
-        up.start().wait_ready(420)  # the front serves once every worker and replica is ready
-        yield {"proc": up.popen, "log": up.log_path, "url": url, "ports": ports}
+        stack.start()
+        stack.wait_ready(420)  # the front serves once every worker and replica is ready
+        config = stack.config
+        yield {"proc": stack.child.popen, "log": stack.child.log_path, "url": stack.url,
+               "ports": {"front": config.front_port, "workers": config.worker_base_port,
+                         "snac": config.snac_base_port, "metrics": config.snac_metrics_base_port}}
     finally:
-        up.stop(signal.SIGINT, timeout_s=60)
+        stack.stop(60)

@@ -11,6 +11,7 @@ and then getting SIGTERM while new streams keep arriving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -350,6 +351,41 @@ async def test_a_worker_leaving_the_answer_while_a_request_waits_on_it_still_ser
             metrics = (await http.get("/metrics")).text
             assert f"127.0.0.1:{port}" not in metrics  # its series went with it
             assert 'megapod_front_replies_total{status="200"} 1.0' in metrics
+    finally:
+        for server in (front_server, worker_server):
+            server.should_exit = True
+        await asyncio.gather(front_task, worker_task)
+
+
+async def test_a_client_gone_before_the_reply_began_gives_the_workers_slot_back() -> None:
+    """The client leaves while the front waits for a worker's reply headers; the reply then comes.
+    The slot taken before sending must go back and the worker's response be closed however the
+    relay ends (it stayed taken when the body never started, and ranked that worker lower for good)."""
+    received, reply = asyncio.Event(), asyncio.Event()
+    worker = FastAPI()
+
+    @worker.post("/v1/audio/speech")
+    async def speech() -> Response:
+        received.set()
+        await reply.wait()
+        return Response(b"\x01\x00" * 2048, media_type="audio/pcm")
+
+    worker_server, worker_task, port = await _serve(worker)
+    front = create_front_app([f"http://127.0.0.1:{port}"])
+    front_server, front_task, front_port = await _serve(front)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front_port}", timeout=60) as http:
+            sent = asyncio.create_task(http.post("/v1/audio/speech", json={"input": "Hi.", "voice": "tara"}))
+            await asyncio.wait_for(received.wait(), 30)
+            sent.cancel()  # the client goes before any reply
+            with contextlib.suppress(asyncio.CancelledError):
+                await sent
+        reply.set()
+        for _ in range(300):  # the slot given back (a leak stays at 1 for good); 15 s: a hang guard
+            if front.state.pool.active == {f"http://127.0.0.1:{port}": 0}:
+                break
+            await asyncio.sleep(0.05)
+        assert front.state.pool.active == {f"http://127.0.0.1:{port}": 0}
     finally:
         for server in (front_server, worker_server):
             server.should_exit = True

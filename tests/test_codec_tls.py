@@ -109,10 +109,10 @@ async def tls_server(pki):
     await server.stop(grace_s=0)
 
 
-async def _health(ch: grpc.aio.Channel) -> object:
-    """The codec service's health over `ch`, or the status code of the failure."""
+async def _health(ch: grpc.aio.Channel, service: str = SERVICE) -> object:
+    """A service's health over `ch` (the codec's by default), or the status code of the failure."""
     try:
-        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return reply.status
@@ -236,15 +236,7 @@ class _HeldWarmUp:
 
 async def _plain_health(port: int, service: str = SERVICE) -> object:
     async with channel(f"127.0.0.1:{port}") as ch:
-        return await _health_of(ch, service)
-
-
-async def _health_of(ch: grpc.aio.Channel, service: str) -> object:
-    try:
-        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return reply.status
+        return await _health(ch, service)
 
 
 async def _samples(stream) -> int:
@@ -270,11 +262,11 @@ async def test_the_health_port_tells_kubelet_what_the_tls_port_tells_workers(pki
         await starting
         async with channel(f"127.0.0.1:{port}", pki["ca"].ca_file, *pki["client"], server_name=SERVER_NAME) as tls:
             for service in (SERVICE, ""):
-                assert await _plain_health(server.health_port, service) == await _health_of(tls, service) == SERVING
+                assert await _plain_health(server.health_port, service) == await _health(tls, service) == SERVING
             async with channel(f"127.0.0.1:{port}") as plaintext:  # the TLS port still refuses plaintext
-                assert await _health_of(plaintext, SERVICE) == grpc.StatusCode.UNAVAILABLE
+                assert await _health(plaintext, SERVICE) == grpc.StatusCode.UNAVAILABLE
             async with channel(f"127.0.0.1:{port}", pki["ca"].ca_file, server_name=SERVER_NAME) as no_cert:
-                assert await _health_of(no_cert, SERVICE) == grpc.StatusCode.UNAVAILABLE
+                assert await _health(no_cert, SERVICE) == grpc.StatusCode.UNAVAILABLE
             async with channel(f"127.0.0.1:{server.health_port}") as plain:
                 decode = codec_pb2_grpc.SnacCodecStub(plain).Decode(iter([codec_pb2.DecodeRequest()]), timeout=5)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -314,6 +306,8 @@ def test_health_port_settings_are_checked():
         SnacServerConfig(port=50051, health_port=50051)
     with pytest.raises(ValueError, match="needs a port of its own"):  # was a bind error at start-up
         SnacServerConfig(metrics_port=9091, health_port=9091)
+    with pytest.raises(ValueError, match="needs a port of its own"):  # the same check for every pair
+        SnacServerConfig(port=9091, metrics_port=9091)
     with pytest.raises(ValueError, match="-1 \\(off\\)"):
         SnacServerConfig(health_port=-2)
     assert SnacServerConfig().health_port == -1  # off unless asked for (the chart asks)

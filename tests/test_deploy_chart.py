@@ -243,8 +243,6 @@ def _helm_merge(base: dict, override: dict) -> dict:
     return merged
 
 
-
-
 @pytest.mark.parametrize("profile", [H100, CPU], ids=lambda p: p.name)
 def test_chart_values_files_are_the_cluster_profiles(profile: ClusterProfile) -> None:
     """values.yaml (+ values-cpu.yaml) hold exactly what megapod/cluster.py derives from MegaPodConfig."""
