@@ -12,7 +12,12 @@ For each it prints audio-seconds decoded per wall-second, the ratio streaming / 
 frames the decoder ran per frame of audio it emitted (the server's own counters: ~1.0 streaming,
 4.0 reference), and writes JSON.
 
+`--forward-sizes` instead times one decoder forward of ROWS streaming steps of 4 frames, for each
+size side by side, and writes ms per frame by frames per forward (why the CPU runner caps frames
+per forward: snac_server/runner.py CPU_STEP_FRAMES).
+
     .venv/bin/python benchmarks/snac_tier.py --quick
+    .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,2,4,8,12,48 --device cpu    # ~1 min on 2 cores
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -39,13 +45,18 @@ from codec_contract.api import codec_pb2, codec_pb2_grpc  # noqa: E402
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SECONDS, POLICIES, final_samples  # noqa: E402
 from codec_contract.client import END_REQUEST, channel, frames_request, header_request  # noqa: E402
 from provenance import cpu_model, git_commit, timestamp, versions  # noqa: E402
+from snac_server.codec_model import build_decoder  # noqa: E402
 from snac_server.config import SnacServerConfig  # noqa: E402
+from snac_server.runner import DecoderRunner  # noqa: E402
 from snac_server.server import SnacServer, build_server  # noqa: E402
+from snac_server.session import StreamStep  # noqa: E402
+from snac_server.streaming import OPEN_END, StreamingDecoder  # noqa: E402
 
 QUICK_FRAMES = 48  # per stream, --quick
 DEFAULT_FRAMES = 160
 SEED = 1234
 REGIMES = ("trickle", "unpaced")
+STEP_FRAMES, FORWARD_REPEATS = 4, 3  # --forward-sizes: frames a streaming step, timed forwards a size
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -58,7 +69,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--model", default="random-24khz")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/snac_tier-<device>.json)")
+    p.add_argument("--forward-sizes", default="", metavar="ROWS,ROWS",
+                   help="instead: ms per frame of one forward of ROWS steps of 4 frames, each size in turn")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/snac_tier-<device>.json; forward_cost-<device>.json)")
     args = p.parse_args(argv)
     args.frames = args.frames or (QUICK_FRAMES if args.quick else DEFAULT_FRAMES)
     if args.streams < 1 or args.frames < 1:
@@ -190,7 +204,36 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def forward_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """ms per frame of one decoder forward of ROWS streaming steps, for each size in --forward-sizes."""
+    sizes = [int(x) for x in args.forward_sizes.split(",")]
+    device = SnacServerConfig(device=args.device).resolved_device
+    decoder = build_decoder(args.model, device, args.dtype, max_batch=max(sizes))
+    runner = DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max(sizes)), max(sizes), (STEP_FRAMES,),
+                           cuda_graphs=False, max_step_frames=10_000)
+    rng = np.random.default_rng(SEED)
+
+    def ms_per_frame(rows: int) -> float:
+        batch = [StreamStep(i, rng.integers(0, CODEBOOK_SIZE, (STEP_FRAMES, CODES_PER_FRAME)).astype(np.int32),
+                            30 * i, OPEN_END, 1, False) for i in range(rows)]
+        runner.decode(batch, lambda *_: None)  # a shape's first call: allocator and oneDNN set-up, not timed
+        started = time.perf_counter()
+        for _ in range(FORWARD_REPEATS):
+            runner.decode(batch, lambda *_: None)
+        return round((time.perf_counter() - started) / FORWARD_REPEATS / (rows * STEP_FRAMES) * 1000, 1)
+
+    load = os.getloadavg()[0]
+    figures = {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}
+    return {"benchmark": "snac_tier --forward-sizes", "device_type": device, "model": args.model, "dtype": args.dtype,
+            "ms_per_frame_by_forward_frames": figures, "cheapest_forward_frames": min(figures, key=figures.get),
+            "load_average_start": round(load, 2), "cores": len(os.sched_getaffinity(0)),
+            "versions": versions(("torch", "snac", "numpy")), "git_commit": git_commit(), "timestamp": timestamp()}
+
+
 def summary(result: dict[str, Any]) -> str:
+    if "ms_per_frame_by_forward_frames" in result:
+        return "\n".join(f"{frames:4d} frames a forward: {ms:6.1f} ms per frame"
+                         for frames, ms in result["ms_per_frame_by_forward_frames"].items())
     lines = [f"snac-tier on {result['device']}: {result['streams']} streams x {result['frames_per_stream']} frames"]
     for regime, r in result["regimes"].items():
         s, ref = r["streaming"], r["reference"]
@@ -203,10 +246,11 @@ def summary(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    result = asyncio.run(run(args))
+    result = forward_cost(args) if args.forward_sizes else asyncio.run(run(args))
     result["benchmark_wall_s"] = round(time.perf_counter() - t0, 1)
     result["command"] = " ".join(["benchmarks/snac_tier.py", *(sys.argv[1:] if argv is None else argv)])
-    out = args.out or REPO_ROOT / "benchmarks" / "results" / f"snac_tier-{result['device_type'].split(':')[0]}.json"
+    name = "forward_cost" if args.forward_sizes else "snac_tier"
+    out = args.out or REPO_ROOT / "benchmarks" / "results" / f"{name}-{result['device_type'].split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(summary(result))

@@ -98,7 +98,8 @@ class Child:
         # A process group of its own: Ctrl-C in the terminal reaches the launcher only, which then
         # stops the children in order (workers drain before replicas go). Not a session of its own
         # (by default): Linux's autogroup schedules each session as one unit, and a codec replica in its
-        # own session got no CPU for seconds while a CPU worker generated (benchmarks/codec_beside_engine.py).
+        # own session got no CPU for seconds while a CPU worker generated (benchmarks/README.md, "Why `megapod up`
+        # keeps its children in its own session").
         try:
             self.popen = subprocess.Popen(
                 self.argv, stdout=out if self.log_stdout else subprocess.DEVNULL, stderr=out, cwd=self.cwd,

@@ -27,7 +27,7 @@ from .streaming import OPEN_END, StreamingDecoder
 log = logging.getLogger(__name__)
 
 Publish = Callable[[list[int], list[np.ndarray]], None]
-CPU_STEP_FRAMES = 16  # on CPU a frame costs least in small forwards (8.6-10 ms up to 16 frames, 38.5 at 192): benchmarks/forward_cost.py
+CPU_STEP_FRAMES = 16  # on CPU a frame costs least in small forwards (8.6-10 ms up to 16 frames, 38.5 at 192): benchmarks/snac_tier.py --forward-sizes
 REFERENCE_WINDOW = 4
 
 

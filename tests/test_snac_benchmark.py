@@ -41,3 +41,13 @@ def test_both_policies_in_both_regimes_write_the_comparison(snac_tier, tmp_path)
         # 6 frames + 3 flush frames per stream, against a 4-frame window per frame: the server's counters
         assert streaming["decoded_per_emitted_frame"] == 1.5 and reference["decoded_per_emitted_frame"] == 4.0
     assert result["regimes"]["trickle"]["streaming"]["decode_steps"] >= 6, "one frame per stream per step"
+
+
+def test_forward_sizes_times_each_size(snac_tier, tmp_path):
+    """--forward-sizes: one decoder forward per size, ms per frame keyed by frames a forward."""
+    out = tmp_path / "forward.json"
+    result = snac_tier.main(["--forward-sizes", "1,2", "--device", "cpu", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    figures = result["ms_per_frame_by_forward_frames"]
+    assert list(figures) == [4, 8] and all(ms > 0 for ms in figures.values())
+    assert result["cheapest_forward_frames"] in figures
