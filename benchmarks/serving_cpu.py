@@ -47,8 +47,8 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from concurrency_bench.metrics import BYTES_PER_AUDIO_S
-from concurrency_bench.stack import cpu_seconds, gauge, stop_tree
+from concurrency_bench.metrics import required_buffer_s
+from concurrency_bench.stack import cpu_seconds, gauge
 from provenance import record
 
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
@@ -262,14 +262,7 @@ async def one_stream(port: int, body: bytes, path: bytes = b"/v1/audio/speech") 
 
 def real_time(result: dict) -> bool:
     """Every chunk arrived before a player, started BUFFER_S after the first byte, needed it."""
-    if "error" in result or not result["chunks"]:
-        return False
-    start, played = result["chunks"][0][0] + BUFFER_S, 0
-    for arrival, size in result["chunks"]:
-        if arrival > start + played / BYTES_PER_AUDIO_S:
-            return False
-        played += size
-    return True
+    return "error" not in result and bool(result["chunks"]) and required_buffer_s(result["chunks"]) <= BUFFER_S
 
 
 async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path) -> dict:
@@ -461,7 +454,7 @@ def versus_vllm(args: argparse.Namespace) -> dict:
                                                       args.versus_vllm, args.seconds, body, b"/v1/audio/speech")
     finally:
         for proc in started:
-            stop_tree(proc)
+            proc.stop(timeout_s=60)
 
     ids = prompt_ids(AutoTokenizer.from_pretrained(model_dir), "tara", TEXT)
     # vLLM's OpenAI server module itself: the `vllm` command looks up a distribution named "vllm",
@@ -480,7 +473,7 @@ def versus_vllm(args: argparse.Namespace) -> dict:
                                                               "vllm:generation_tokens_total", args.versus_vllm,
                                                               args.seconds, body, b"/v1/completions")
     finally:
-        stop_tree(vllm)
+        vllm.stop(timeout_s=60)
     out["ratio"] = round(out["llm_server"]["us_per_token"] / out["vllm_openai_server"]["us_per_token"], 2)
     return out
 
@@ -547,7 +540,7 @@ def main() -> None:
             print(json.dumps(levels[-1]), flush=True)
     finally:
         for proc in started:
-            stop_tree(proc, 30)
+            proc.stop(timeout_s=30)
     result = {"benchmark": "serving_cpu", "step_ms": args.step_ms, "frames_per_reply": args.frames,
               "stream_interval": args.stream_interval, "levels": levels, "provenance": record(PACKAGES)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -575,7 +568,7 @@ def codec_alone(args: argparse.Namespace) -> None:
             levels.append(asyncio.run(codec_level(n, args.seconds, (port, metrics_port), replica, frame_s, lag_file)))
             print(json.dumps(levels[-1]), flush=True)
     finally:
-        stop_tree(codec, 30)
+        codec.stop(timeout_s=30)
     result = {"benchmark": "serving_cpu --codec-streams", "step_ms": args.step_ms, "levels": levels,
               "provenance": record(PACKAGES)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -148,16 +148,18 @@ class Child:
         return time.monotonic() - self.started_at
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
-        """`sig` (SIGTERM: the servers drain), then SIGKILL after timeout_s; returns the exit code."""
+        """`sig` (SIGTERM: the servers drain), then SIGKILL after timeout_s; returns the exit code. What is
+        left of its process group once it has gone (a child it did not stop) is killed too."""
         if self.popen is None or self.popen.poll() is not None:
             return self.exited()
         if sig != signal.SIGKILL:
             self.popen.send_signal(sig)
             try:
-                return self.popen.wait(timeout_s)
+                self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0f s; killing it", self.name, timeout_s)
-        # Its whole process group: a worker killed alone left vLLM's engine processes running.
+        # Its whole process group: a worker killed alone left vLLM's engine processes running. The group's
+        # id cannot be taken by a new process while any of its members lives.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         return self.popen.wait()

@@ -135,21 +135,37 @@ def test_a_child_that_exits_during_start_up_fails_wait_ready_with_its_log_tail(t
         child.wait_ready(600)
 
 
-def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
-    """As vLLM's engine processes under a worker: the grandchild holds a pipe's only write end, so the
-    read below ends empty when it is killed with the child, or with its words if it outlived it."""
+def _child_with_an_engine(tmp_path, name: str, on_sigterm: str) -> tuple[Child, int]:
+    """As vLLM's engine processes under a worker: the grandchild holds a pipe's only write end, so a read
+    of the returned end ends empty when it is killed, or with its words if it outlived the child."""
     fifo = tmp_path / "engine"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     engine = (f"import os, time; pipe = os.open({str(fifo)!r}, os.O_WRONLY); print('engine up', flush=True); "
               "time.sleep(60); os.write(pipe, b'outlived its parent')")
-    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    script = (f"import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, {on_sigterm}); "
               f"subprocess.Popen([sys.executable, '-c', {engine!r}]); time.sleep(600)")
-    child = Child("stubborn", [sys.executable, "-c", script], tmp_path / "stubborn.log").start()
-    while "engine up" not in child.tail():  # SIGTERM ignored, the engine started and holding the pipe
+    child = Child(name, [sys.executable, "-c", script], tmp_path / f"{name}.log").start()
+    while "engine up" not in child.tail():  # the engine started and holds the pipe
         assert child.alive(), child.tail()
         time.sleep(0.05)
+    return child, reader
+
+
+def _engine_words(reader: int) -> bytes:
+    os.set_blocking(reader, True)
+    return os.read(reader, 64)
+
+
+def test_stop_kills_a_child_that_ignores_sigterm_and_what_it_started(tmp_path):
+    child, reader = _child_with_an_engine(tmp_path, "stubborn", "signal.SIG_IGN")
     assert child.stop(signal.SIGTERM, timeout_s=1.0) == -signal.SIGKILL
     assert not child.alive()
-    os.set_blocking(reader, True)
-    assert os.read(reader, 64) == b""
+    assert _engine_words(reader) == b""
+
+
+def test_stop_kills_what_a_child_left_behind_when_it_exited_on_sigterm(tmp_path):
+    """A server that exits on SIGTERM without stopping its own child: the group is swept after it."""
+    child, reader = _child_with_an_engine(tmp_path, "careless", "lambda *_: sys.exit(0)")
+    assert child.stop(signal.SIGTERM, timeout_s=30.0) == 0
+    assert _engine_words(reader) == b""

@@ -172,20 +172,6 @@ def _tier(proc: psutil.Process) -> str:
     return "codec" if "snac_server" in cmdline else "llm" if "llm_server" in cmdline or "EngineCore" in proc.name() else "other"
 
 
-def stop_tree(child: Child, timeout_s: float = 60.0) -> None:
-    """Stop a process started here (SIGTERM: servers drain), then SIGKILL whatever of its tree is left."""
-    try:
-        tree = psutil.Process(child.pid).children(recursive=True)
-    except psutil.Error:
-        tree = []
-    child.stop(signal.SIGTERM, timeout_s)
-    for proc in tree:
-        try:
-            proc.kill()  # psutil refuses a pid reused by another process
-        except psutil.Error:
-            pass
-
-
 def cpu_seconds(proc: psutil.Process) -> float:
     """User + system CPU seconds of a live process; 0 when it is gone."""
     try:
