@@ -53,6 +53,7 @@ from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape  # noqa:
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets  # noqa: E402
 from concurrency_bench.search import Search  # noqa: E402
 from concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot  # noqa: E402
+import provenance  # noqa: E402
 
 # --quick is the full benchmark in slow motion for a 2-core CPU running the tiny model: the
 # listener plays at 0.1x real time and every time target is 10x the GPU default. Short turns only,
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                  success_share=args.success_share, realtime_share=args.realtime_share)
     shape = LoadShape(stagger_s=args.stagger_s, warmup_s=args.warmup_s, window_s=args.window_s,
                       max_level_s=args.max_level_s, read_timeout_s=args.read_timeout_s, seed=args.seed)
-    machine = report.describe_machine()
+    machine = provenance.machine()
     log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
     targets = build_targets(args, log_dir)
     prefix = output_prefix(args, targets, machine)
@@ -321,9 +322,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"load vs heaviest level {headroom['load_vs_heaviest_level']}", flush=True)
     summary = summarize(targets)
     result.update({
-        "command": " ".join(["python", "benchmarks/concurrency.py", *(argv if argv is not None else sys.argv[1:])]),
-        "git_commit": report.git_commit(), "timestamp": report.timestamp(), "versions": report.versions(),
-        "machine": machine,
+        "provenance": provenance.record(report.PACKAGES, argv),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
         "load_shape": asdict(shape), "targets": asdict(rt), "corpus": corpus.describe(),
         "endpoints": [_describe_target(t) for t in targets],

@@ -1,5 +1,5 @@
-"""What every benchmark records beside its figures: package versions, the git commit, the time,
-the CPU, the machine's busy time, and the processes a launched stack is made of."""
+"""What every benchmark records beside its figures (`record`): the machine, the git commit, the time,
+the command and package versions; and the machine's busy time, for the cores other processes used."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -18,10 +18,26 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def record(packages: Iterable[str]) -> dict[str, object]:
-    """The provenance block of a result: machine, commit, time, command line, package versions."""
-    return {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "commit": git_commit(), "when": timestamp(),
-            "command": " ".join(sys.argv), "versions": versions(packages)}
+def record(packages: Iterable[str], argv: Sequence[str] | None = None) -> dict[str, object]:
+    """The provenance block of a result: machine, commit, time, the command (this script and `argv`, by
+    default this process's arguments) and package versions."""
+    script = Path(sys.argv[0]).resolve()
+    where = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else script
+    return {"machine": machine(), "commit": git_commit(), "when": timestamp(),
+            "command": " ".join(["python", str(where), *(sys.argv[1:] if argv is None else argv)]),
+            "versions": versions(packages)}
+
+
+def machine() -> dict[str, object]:
+    """CPU model and usable cores, memory, and the GPUs this machine has (none on CI)."""
+    try:
+        import torch
+
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch, or a CUDA that cannot initialize: report no GPU rather than fail
+        gpus = []
+    return {"cpu": cpu_model(), "cores_usable": len(os.sched_getaffinity(0)),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpus": gpus, "platform": platform.platform()}
 
 
 def versions(packages: Iterable[str]) -> dict[str, str]:
@@ -44,14 +60,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children, grandchildren, ...)."""
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 def timestamp() -> str:

@@ -44,7 +44,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 from codec_contract.api import codec_pb2, codec_pb2_grpc  # noqa: E402
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SECONDS, POLICIES, final_samples  # noqa: E402
 from codec_contract.client import END_REQUEST, channel, frames_request, header_request  # noqa: E402
-from provenance import cpu_model, git_commit, timestamp, versions  # noqa: E402
+from provenance import cpu_model, record  # noqa: E402
 from snac_server.codec_model import build_decoder  # noqa: E402
 from snac_server.config import SnacServerConfig  # noqa: E402
 from snac_server.runner import DecoderRunner  # noqa: E402
@@ -200,7 +200,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "unpaced": "every stream sends all its frames as fast as the server reads them",
             "decoded_per_emitted_frame": "snac_decoded_frames_total / snac_emitted_frames_total over the run",
         },
-        "versions": versions(("torch", "snac", "grpcio", "numpy")), "git_commit": git_commit(), "timestamp": timestamp(),
     }
 
 
@@ -226,8 +225,7 @@ def forward_cost(args: argparse.Namespace) -> dict[str, Any]:
     figures = {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}
     return {"benchmark": "snac_tier --forward-sizes", "device_type": device, "model": args.model, "dtype": args.dtype,
             "ms_per_frame_by_forward_frames": figures, "cheapest_forward_frames": min(figures, key=figures.get),
-            "load_average_start": round(load, 2), "cores": len(os.sched_getaffinity(0)),
-            "versions": versions(("torch", "snac", "numpy")), "git_commit": git_commit(), "timestamp": timestamp()}
+            "load_average_start": round(load, 2), "cores": len(os.sched_getaffinity(0))}
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -248,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = forward_cost(args) if args.forward_sizes else asyncio.run(run(args))
     result["benchmark_wall_s"] = round(time.perf_counter() - t0, 1)
-    result["command"] = " ".join(["benchmarks/snac_tier.py", *(sys.argv[1:] if argv is None else argv)])
+    result["provenance"] = record(("torch", "snac", "grpcio", "numpy"), argv)
     name = "forward_cost" if args.forward_sizes else "snac_tier"
     out = args.out or REPO_ROOT / "benchmarks" / "results" / f"{name}-{result['device_type'].split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,23 +19,36 @@ Reported (JSON, default benchmarks/results/soak-cpu.json, and a one-screen summa
   peak, growth, and MB/hour from a linear fit over periodic samples;
 - provenance (versions, git commit, CPU, machine load) and the cores each part used.
 
+After the soak, on the idle stack, `--doors N` measures what a voice agent waits for at the front
+doors: time to first byte of POST /v1/audio/speech for each response_format against pcm (same text
+and seed, formats in rotating order, each request closed at its first byte, the stack idle before
+the next; N rounds), and N barge-ins: a Cartesia context on /tts/websocket cancelled at its first
+audio chunk, timed until no worker holds a stream or an engine request (its KV cache freed) and no
+codec replica a stream or a state slot (polled every 10 ms). `--overload` then holds every slot and
+floods the front with over-cap requests, /health asked beside them.
+
 Exit status 1 when audio was lost, errors passed `--max-error-share`, a probe was not refused
-properly, a process died, or the stack did not end idle and healthy. Run from the repository root:
+properly, a process died, a barge-in was not released, or the stack did not end idle and healthy.
+Run from the repository root:
 
     .venv/bin/python benchmarks/soak.py --minutes 10
     .venv/bin/python benchmarks/soak.py --minutes 0.5 --out /tmp/soak.json     # a quick check
+    .venv/bin/python benchmarks/soak.py --minutes 0.5 --doors 5 --overload --out benchmarks/results/doors-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
+import math
 import os
 import random
 import shlex
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -49,6 +62,7 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+from websockets.asyncio.client import connect
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -62,10 +76,15 @@ from concurrency_bench.flood import Knock, flood  # noqa: E402
 from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request  # noqa: E402
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles  # noqa: E402
 from concurrency_bench.stack import LocalStack, gauge, cpu_cores, cpu_snapshot  # noqa: E402
-from provenance import timestamp  # noqa: E402
+from provenance import record  # noqa: E402
 
 SAMPLES_PER_FRAME = 2048
 SAMPLE_BYTES = 2
+FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
+DOOR_TEXT = "Thanks for calling, how can I help you today?"
+LONG_TEXT = " ".join(["This is a long answer that keeps the stream busy while others knock."] * 6)
+HELD = ("orpheus_active_streams", "orpheus_engine_unfinished_requests", "snac_active_streams", "snac_state_slots_in_use")
+RELEASE_DEADLINE_S = 30.0
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -86,6 +105,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--megapod-args", default="--replicas 2 --enforce-eager true", help="more `megapod up` flags")
     p.add_argument("--memory-every-s", type=float, default=5.0, help="RSS sampling period")
     p.add_argument("--replays", type=int, default=3, help="replies replayed at the end with the same seed (0: none)")
+    p.add_argument("--doors", type=int, default=0, metavar="N",
+                   help="after the soak: time to first byte by response_format (N rounds) and N barge-ins")
     p.add_argument("--overload", action="store_true",
                    help="after the soak: the admitted streams' pace alone and under a flood of over-cap requests")
     p.add_argument("--overload-rounds", type=int, default=2, help="alone/flooded pairs of --overload")
@@ -444,8 +465,10 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
         tasks = [asyncio.create_task(speak(i, client)) for i in range(n)]
         if flooded:
             await asyncio.gather(*(e.wait() for e in admitted))
-            knocks = await flood(client, endpoint.url, burst, stop=lambda: any(t.done() for t in tasks),
-                                 body=lambda _: endpoint.body("Is there room for one more?", 1))
+            ended = lambda: any(t.done() for t in tasks)  # a slot freed: knocks would be admitted
+            knocks, pings = await asyncio.gather(
+                flood(client, endpoint.url, burst, stop=ended, body=lambda _: endpoint.body("Room for one more?", 1)),
+                _health_pings(client, endpoint.url, ended))
         await asyncio.gather(*tasks)
     out = {"streams": [{"status": s["status"], "audio_s": round(s["bytes"] / BYTES_PER_AUDIO_S, 2),
                         "ttfa_s": round(s["first"] - s["sent"], 3) if s["first"] else None,
@@ -453,8 +476,97 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
                         if s["bytes"] else None} for s in streams]}
     if flooded:
         out["flood"] = {"requests": len(knocks), "statuses": Counter(str(k.status) for k in knocks),
-                        "latency_s": _rounded(percentiles([k.latency_s for k in knocks], (50, 95, 100)), 4)}
+                        "latency_s": _rounded(percentiles([k.latency_s for k in knocks], (50, 95, 100)), 4),
+                        "health_latency_s": _rounded(percentiles(pings, (50, 95, 100)), 4)}
     return out
+
+
+async def _health_pings(client: httpx.AsyncClient, url: str, stop: Any) -> list[float]:
+    """GET /health every 50 ms until stop(): what any request costs on the machine beside the refusals."""
+    times = []
+    while not stop():
+        t0 = time.perf_counter()
+        (await client.get(f"{url}/health")).raise_for_status()
+        times.append(time.perf_counter() - t0)
+        await asyncio.sleep(0.05)
+    return times
+
+
+# -- --doors: what a voice agent waits for at the front doors --------------------------------------
+
+
+async def doors(stack: LocalStack, rounds: int) -> dict[str, Any]:
+    return {"ttfb_s": await _ttfb_by_format(stack, rounds), "barge_in": await _barge_ins(stack, rounds)}
+
+
+async def _ttfb_by_format(stack: LocalStack, rounds: int) -> dict[str, Any]:
+    """Time to first byte per format, and each format's median minus pcm's (issue 14: mp3 and opus within 50 ms)."""
+    times: dict[str, list[float]] = {f: [] for f in FORMATS}
+
+    async def first_byte(fmt: str) -> float:
+        body = {"model": "tts-1", "input": DOOR_TEXT, "voice": "tara", "response_format": fmt, "seed": 7}
+        t0 = time.perf_counter()
+        async with client.stream("POST", f"{stack.url}/v1/audio/speech", json=body) as reply:
+            reply.raise_for_status()
+            async for _ in reply.aiter_raw():
+                return time.perf_counter() - t0
+        raise RuntimeError(f"{fmt}: no audio")
+
+    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as client:
+        await first_byte("pcm")  # first-request costs are nobody's format
+        for r in range(rounds):
+            for fmt in FORMATS[r % len(FORMATS):] + FORMATS[: r % len(FORMATS)]:
+                await stack.wait_idle()
+                times[fmt].append(await first_byte(fmt))
+    pcm = statistics.median(times["pcm"])
+    return {f: {**_rounded(percentiles(v, (50, 95, 100)), 4), "p50_minus_pcm": round(statistics.median(v) - pcm, 4)}
+            for f, v in times.items()}
+
+
+async def _barge_ins(stack: LocalStack, trials: int) -> dict[str, Any]:
+    cfg = stack.config
+    urls = [f"http://{cfg.host}:{p}/metrics" for p in cfg.worker_ports()]
+    urls += [f"http://{cfg.host}:{cfg.snac_metrics_base_port + j}/metrics" for j in range(cfg.replicas)]
+    runs = []
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+        for k in range(trials):
+            await stack.wait_idle()
+            runs.append(await _barge_in(stack.url.replace("http://", "ws://") + "/tts/websocket", client, urls, k))
+    released = [r["released_s"] for r in runs if r["released_s"] is not None]
+    return {"runs": runs, "all_released": len(released) == len(runs),
+            "released_s": _rounded(percentiles(released, (50, 95, 100)), 4)}
+
+
+async def _barge_in(ws_url: str, client: httpx.AsyncClient, urls: list[str], k: int) -> dict[str, Any]:
+    """One context cancelled at its first chunk: seconds until nothing is held (None: still held at the deadline)."""
+    context = f"barge-{k}"
+    message = {"transcript": LONG_TEXT, "continue": False, "context_id": context, "model_id": "sonic-3",
+               "voice": {"mode": "id", "id": "tara"},
+               "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
+    async with connect(ws_url, additional_headers={"X-API-Key": "unused"}) as ws:
+        t_sent = time.perf_counter()
+        await ws.send(json.dumps(message))
+        while not ((reply := json.loads(await ws.recv()))["type"] == "chunk" and base64.b64decode(reply["data"])):
+            pass
+        first_chunk_s, during = time.perf_counter() - t_sent, await _held(client, urls)
+        t_cancel = time.perf_counter()
+        await ws.send(json.dumps({"context_id": context, "cancel": True}))
+        released_s = None
+        while time.perf_counter() - t_cancel < RELEASE_DEADLINE_S:  # each poll's scrape counts: an upper bound
+            if not any((await _held(client, urls)).values()):
+                released_s = round(time.perf_counter() - t_cancel, 4)
+                break
+            await asyncio.sleep(0.01)
+    return {"first_chunk_s": round(first_chunk_s, 4), "held_at_cancel": during, "released_s": released_s}
+
+
+async def _held(client: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+    totals = dict.fromkeys(HELD, 0.0)
+    for page in [(await client.get(u)).text for u in urls]:
+        for name in HELD:
+            value = gauge(page, name)
+            totals[name] += 0.0 if math.isnan(value) else value  # a page without the gauge holds none
+    return totals
 
 
 # -- judging --------------------------------------------------------------------------------------
@@ -509,6 +621,8 @@ def judge(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
         why.append(f"processes gone before the end: {dead}")
     if any(not r["same"] for r in result["replays"]):
         why.append("a replayed reply differs from the one under load")
+    if result["doors"] and not result["doors"]["barge_in"]["all_released"]:
+        why.append(f"--doors: a barge-in still held resources {RELEASE_DEADLINE_S:.0f} s after its cancel")
     if result["overload"]:
         bad = {k: v for k, v in result["overload"]["flood_statuses"].items() if k not in ("429", "200")}
         streams = [s["status"] for x in result["overload"]["runs"] for s in x["streams"]]
@@ -584,11 +698,12 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
                  "engine_unfinished": await worker_metric(stack, "orpheus_engine_unfinished_requests"),
                  "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
     replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
+    door = await doors(stack, args.doors) if args.doors else None
     flood = await overload(endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
                            args.read_timeout_s) if args.overload else None
     return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run),
             "probes": probe_summary(level.probes), "audio": audio_check(run, level.probes, frames),
-            "replays": replays, "overload": flood, "memory": memory.summary(), "end_state": end_state, "cores": cores,
+            "replays": replays, "doors": door, "overload": flood, "memory": memory.summary(), "end_state": end_state, "cores": cores,
             "client_loop_lag_ms": run.loop_lag_ms}
 
 
@@ -620,9 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
     result = {
         "benchmark": "soak",
-        "command": " ".join(["python", "benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
-        "git_commit": report.git_commit(), "timestamp": timestamp(), "versions": report.versions(),
-        "machine": report.describe_machine(),
+        "provenance": record(report.PACKAGES, argv),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "megapod_up": " ".join(["megapod", *stack.argv[3:]]), "topology": stack.topology,
         "startup_s": round(stack.startup_s or 0, 1), "corpus": corpus.describe(),
@@ -642,7 +755,7 @@ def print_summary(r: dict[str, Any], out: Path) -> None:
     load, audio, probes, mem = r["load"], r["audio"], r["probes"], r["memory"]
     oc = probes["over-cap"]
     print(f"\nsoak {r['config']['minutes']:g} min, {r['config']['concurrency']} streams, cap "
-          f"{r['config']['max_streams']} ({r['machine']['cpu']}, {r['machine']['cores_usable']} cores; load "
+          f"{r['config']['max_streams']} ({r['provenance']['machine']['cpu']}, {r['provenance']['machine']['cores_usable']} cores; load "
           f"{r['contention']['load_average_start'][0]} -> {r['contention']['load_average_end'][0]}; other processes "
           f"{r['cores']['other_processes']} cores)")
     print(f"  streams   {load['served']} served of {load['requests']}, {load['audio_s']} audio-s "
@@ -663,12 +776,19 @@ def print_summary(r: dict[str, Any], out: Path) -> None:
     if r["replays"]:
         same = sum(1 for x in r["replays"] if x["same"])
         print(f"  replays   {same}/{len(r['replays'])} same length and audio (s16 diff <= 2) on the idle stack")
+    if r["doors"]:
+        d = r["doors"]
+        print("  doors     TTFB p50 (minus pcm): " + ", ".join(f"{f} {v['p50'] * 1000:.0f} ms ({v['p50_minus_pcm'] * 1000:+.0f})"
+                                                         for f, v in d["ttfb_s"].items()))
+        print(f"            barge-in released p50/max {d['barge_in']['released_s']['p50']}/"
+              f"{d['barge_in']['released_s']['p100']} s, all released: {d['barge_in']['all_released']}")
     if r["overload"]:
         o = r["overload"]
-        lat = [x["flood"]["latency_s"] for x in o["runs"] if x["flooded"]]
+        flooded = [x["flood"] for x in o["runs"] if x["flooded"]]
         print(f"  overload  wall-s per audio-s of the admitted streams: alone {o['wall_s_per_audio_s_alone']}, "
               f"flooded {o['wall_s_per_audio_s_flooded']} (x{o['flooded_over_alone']}); flood {o['flood_statuses']}, "
-              f"p95 {[x['p95'] for x in lat]} s")
+              f"p95 {[x['latency_s']['p95'] for x in flooded]} s, /health beside it p95 "
+              f"{[x['health_latency_s']['p95'] for x in flooded]} s")
     print(f"  memory    RSS MB (after warm-up -> end, peak; MB/h fit over {mem['samples']} samples, second half)")
     for name, s in {**mem["groups"], **mem["processes"]}.items():
         print(f"    {name:<34s} {s['start_mb']:8.1f} -> {s['end_mb']:8.1f}  peak {s['peak_mb']:8.1f}  "

@@ -36,7 +36,7 @@ _CONTAINERS = {
 _CODEC_OPTIONS = {
     "flac": {"frame_size": "1024"},  # a FLAC frame per 1024 samples, not 4608: bytes out every chunk
     # LAME's bit reservoir holds each frame back until later frames are encoded: without it the first
-    # bytes leave with the first chunk instead of the second (benchmarks/front_doors.py, ttfb).
+    # bytes leave with the first chunk instead of the second (benchmarks/soak.py --doors, ttfb_s).
     "mp3": {"reservoir": "0"},
 }
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # libopus takes no other; 22.05 and 44.1 kHz become 48 kHz

@@ -6,7 +6,7 @@ its slot until its client ends it, so the flood meets a full worker however fast
 this machine runs. Every flood request must be refused (429, Retry-After, an OpenAI-shaped error), a
 new context on a socket too (the protocol's error), and a new socket with close code 1013. Then the
 contexts end and must get all their audio; the worker must stay up, healthy and bounded in memory,
-and hold no stream afterwards. How fast refusals come is measured by benchmarks/front_doors.py, not
+and hold no stream afterwards. How fast refusals come is measured by benchmarks/soak.py --overload, not
 asserted here: on a shared machine a latency bound flakes.
 """
 

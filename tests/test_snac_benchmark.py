@@ -32,8 +32,9 @@ def test_both_policies_in_both_regimes_write_the_comparison(snac_tier, tmp_path)
     returned = snac_tier.main(["--streams", "2", "--frames", "6", "--device", "cpu", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
-    for key in ("device", "streams", "frames_per_stream", "dtype", "max_batch", "versions", "git_commit", "timestamp"):
+    for key in ("device", "streams", "frames_per_stream", "dtype", "max_batch", "provenance"):
         assert key in result, key
+    assert result["provenance"]["versions"]["torch"] and result["provenance"]["command"].endswith("--out " + str(out))
     assert set(result["regimes"]) == {"trickle", "unpaced"}
     for regime in result["regimes"].values():
         streaming, reference = regime["streaming"], regime["reference"]

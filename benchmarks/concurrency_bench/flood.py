@@ -1,5 +1,5 @@
-"""One flood of over-cap speech requests, shared by the soak's --overload, front_doors' refusal
-timing and the overload test: bursts of concurrent POST /v1/audio/speech against a full worker."""
+"""One flood of over-cap speech requests, shared by the soak's --overload and the overload test:
+bursts of concurrent POST /v1/audio/speech against a full worker (or the front before it)."""
 
 from __future__ import annotations
 

