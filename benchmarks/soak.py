@@ -417,13 +417,15 @@ async def replay(endpoint: Endpoint, corpus: Corpus, shape: LoadShape, requests:
 # -- --overload: the admitted streams alone and under a flood, side by side ------------------------
 
 
-async def overload(endpoint: Endpoint, corpus: Corpus, n: int, rounds: int, burst: int,
+async def overload(stack: LocalStack, endpoint: Endpoint, corpus: Corpus, n: int, rounds: int, burst: int,
                    read_timeout_s: float) -> dict[str, Any]:
     """Rounds of: n requests (the cap) alone, then the same n (same texts and seeds) while bursts of
-    over-cap requests arrive until one of them ends. Alternating, so a drift of the machine hits both."""
+    over-cap requests arrive until one of them ends. Alternating, so a drift of the machine hits both.
+    Each run starts on an idle stack: a knock admitted as a slot freed holds it until its cancel lands."""
     runs = []
     for r in range(rounds):
         for flooded in (False, True):
+            await stack.wait_idle()
             run = await _admitted(endpoint, corpus, n, flooded, burst, read_timeout_s)
             runs.append({"round": r, "flooded": flooded, **run})
             print(f"overload round {r + 1}/{rounds} {'flooded' if flooded else 'alone'}: wall-s per audio-s "
@@ -453,6 +455,8 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
         async with client.stream("POST", f"{endpoint.url}/v1/audio/speech", json=body) as reply:
             s["status"] = reply.status_code
             admitted[i].set()
+            if reply.status_code != 200:
+                return  # refused: its body is no audio
             async for data in reply.aiter_raw():
                 s["first"] = s["first"] or time.perf_counter()
                 s["bytes"] += len(data)
@@ -699,7 +703,7 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
                  "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
     replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
     door = await doors(stack, args.doors) if args.doors else None
-    flood = await overload(endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
+    flood = await overload(stack, endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
                            args.read_timeout_s) if args.overload else None
     return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run),
             "probes": probe_summary(level.probes), "audio": audio_check(run, level.probes, frames),
