@@ -241,3 +241,27 @@ def test_level_fails_early_when_streams_run_dry(trivial_endpoint):
     assert record["ended_by"] == "failed early"
     assert any("not real time" in r for r in record["reasons"])
     assert record["wall_s"] < 1.5  # a 1 s request takes ~2 s at half speed: it did not wait for the end
+
+
+def test_the_benchmark_writes_its_json_timelines_and_plots(trivial_endpoint, tmp_path):
+    """concurrency.py end to end against a URL (the trivial endpoint at half speed, a listener at pace
+    0.5): the search runs its levels, the client-headroom check runs, and every file is written."""
+    import json
+    import subprocess
+
+    prefix = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "concurrency.py"), "--url", trivial_endpoint, "--name", "trivial", "--gpus", "1",
+         "--pace", "0.5", "--ttfa-target-s", "1", "--buffer-s", "0.5", "--kinds", "short", "--max-n", "2",
+         "--stagger-s", "0.2", "--warmup-s", "0", "--window-s", "0", "--max-level-s", "30", "--settle-s", "0",
+         "--warmup-requests", "1", "--headroom-streams", "4", "--headroom-seconds", "2", "--out-prefix", str(prefix)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(prefix.with_suffix(".json").read_text())
+    assert [r["n"] for r in result["levels"]] == [1, 2] and all(r["passed"] for r in result["levels"])
+    assert result["results"][0]["n_max"] == 2 and result["client_headroom"]["streams"] == 4
+    assert result["provenance"]["versions"]["numpy"] and result["provenance"]["machine"]["cores_usable"] >= 1
+    rows = [json.loads(line) for line in prefix.with_suffix(".jsonl").read_text().splitlines()]
+    assert {row["n"] for row in rows} == {1, 2} and all(row["chunks"] for row in rows if row["completed"])
+    assert sorted(result["files"]["plots"]) == [f"run-{k}.png" for k in ("realtime", "throughput", "ttfa")]
+    assert all((tmp_path / name).stat().st_size > 0 for name in result["files"]["plots"])
