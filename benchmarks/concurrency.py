@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -49,7 +48,7 @@ from concurrency_bench import report  # noqa: E402
 from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
 from concurrency_bench.headroom import headroom_check  # noqa: E402
 from concurrency_bench.levels import jsonl_rows, level_record  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape  # noqa: E402
+from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, warm_up  # noqa: E402
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets  # noqa: E402
 from concurrency_bench.search import Search  # noqa: E402
 from concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot  # noqa: E402
@@ -169,25 +168,15 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
 # -- running ----------------------------------------------------------------------------------
 
 
-async def warm_up(target: Target, corpus: Corpus, count: int, read_timeout_s: float) -> None:
-    """A few sequential requests, not measured; a target that cannot speak stops the run here."""
-    ep = target.endpoint
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
-        for i in range(count):
-            t = time.perf_counter()
-            reply = await client.post(f"{ep.url}/v1/audio/speech", json=ep.body(corpus.utterances[i].text, i),
-                                      headers=ep.headers)
-            if reply.status_code != 200 or not reply.content:
-                raise RuntimeError(f"{target.name}: warm-up request got HTTP {reply.status_code}: {reply.text[:300]}")
-            print(f"[{target.name}] warm-up {i + 1}/{count}: {len(reply.content) / BYTES_PER_AUDIO_S:.1f} audio-s "
-                  f"in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-
-
 async def run_search(args: argparse.Namespace, targets: list[Target], corpus: Corpus, rt: Targets, shape: LoadShape,
                      jsonl: Any) -> list[dict]:
     """Every target's search, interleaved level by level (ABBA order, so drift hits both alike)."""
     for target in targets:
-        await warm_up(target, corpus, args.warmup_requests, args.read_timeout_s)
+        t0 = time.perf_counter()
+        await warm_up(target.endpoint, [u.text for u in corpus.utterances[: args.warmup_requests]], 1,
+                      args.read_timeout_s)
+        print(f"[{target.name}] warmed up: {args.warmup_requests} requests in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
     levels, round_ = [], 0
     while any(not t.search.done for t in targets):
         for target in targets if round_ % 2 == 0 else targets[::-1]:

@@ -73,7 +73,7 @@ for _path in (REPO_ROOT, BENCH_DIR):
 from concurrency_bench import report  # noqa: E402
 from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
 from concurrency_bench.flood import Knock, flood  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request  # noqa: E402
+from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request, warm_up  # noqa: E402
 from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles  # noqa: E402
 from concurrency_bench.stack import LocalStack, gauge, cpu_cores, cpu_snapshot  # noqa: E402
 from provenance import record  # noqa: E402
@@ -350,14 +350,6 @@ def _openai_error(body: bytes) -> bool:
 # -- the stack's own counters --------------------------------------------------------------------
 
 
-async def worker_metric(stack: LocalStack, name: str) -> float:
-    """A counter or gauge summed over every worker."""
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        texts = [(await client.get(f"http://{stack.config.host}:{p}/metrics")).text
-                 for p in stack.config.worker_ports()]
-    return sum(gauge(t, name) for t in texts)
-
-
 async def health(stack: LocalStack) -> dict[str, Any]:
     """/health and /ready of the front and every worker, and the launcher still running."""
     host, out = stack.config.host, {"launcher_running": stack.child.alive()}
@@ -371,23 +363,6 @@ async def health(stack: LocalStack) -> dict[str, Any]:
     out["ok"] = out["launcher_running"] and all(v == [200, 200] for k, v in out.items() if k not in
                                                 ("launcher_running", "ok"))
     return out
-
-
-async def warm_up(endpoint: Endpoint, corpus: Corpus, streams: int, rounds: int, read_timeout_s: float) -> None:
-    """Untimed rounds of `streams` concurrent short requests, so vLLM and every codec replica (streams go
-    round robin) have served before memory is first read. A replica's RSS still rose by 0.4-0.7 GB over
-    its first minute of the soak in our runs (new batch and window shapes) and kept rising, more slowly,
-    over the 10-minute run: read the second-half slope."""
-    shortest = sorted(corpus.utterances, key=lambda u: len(u.text))
-
-    async def one(client: httpx.AsyncClient, i: int) -> None:
-        reply = await client.post(f"{endpoint.url}/v1/audio/speech", json=endpoint.body(shortest[i].text, i))
-        if reply.status_code != 200 or not reply.content:
-            raise RuntimeError(f"warm-up request got HTTP {reply.status_code}: {reply.text[:300]}")
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
-        for r in range(rounds):
-            await asyncio.gather(*(one(client, r * streams + i) for i in range(streams)))
 
 
 async def replay(endpoint: Endpoint, corpus: Corpus, shape: LoadShape, requests: list[Request],
@@ -686,9 +661,14 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     endpoint = Endpoint("soak", stack.url)
     shape = LoadShape(stagger_s=2.0, warmup_s=0.0, window_s=0.0, max_level_s=10**9,
                       read_timeout_s=args.read_timeout_s, seed=args.seed)
-    await warm_up(endpoint, corpus, args.concurrency, 2, args.read_timeout_s)
+    # Two rounds of short requests, all streams at once, so vLLM and every codec replica (streams go round
+    # robin) have served before memory is first read. A replica's RSS still rose by 0.4-0.7 GB over its
+    # first minute of the soak in our runs (new batch and window shapes) and kept rising, more slowly, over
+    # the 10-minute run: read the second-half slope.
+    shortest = sorted(corpus.utterances, key=lambda u: len(u.text))
+    await warm_up(endpoint, [u.text for u in shortest[: 2 * args.concurrency]], args.concurrency, args.read_timeout_s)
     await stack.wait_idle()
-    frames_before = await worker_metric(stack, "orpheus_frames_total")
+    frames_before = await stack.worker_metric("orpheus_frames_total")
     memory = MemoryWatch(stack, args.memory_every_s).start()  # "start" = after warm-up
     cpu_before = cpu_snapshot([stack])
     level = SoakLevel(endpoint, shape, corpus, args.concurrency, args.minutes * 60, args.probe_every_s,
@@ -696,10 +676,10 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     run = await level.run_level()
     idle_wait_s = await stack.wait_idle()
     cores = cpu_cores(cpu_before, cpu_snapshot([stack]))
-    frames = await worker_metric(stack, "orpheus_frames_total") - frames_before
+    frames = await stack.worker_metric("orpheus_frames_total") - frames_before
     memory.stop()
-    end_state = {"active_streams": await worker_metric(stack, "orpheus_active_streams"),
-                 "engine_unfinished": await worker_metric(stack, "orpheus_engine_unfinished_requests"),
+    end_state = {"active_streams": await stack.worker_metric("orpheus_active_streams"),
+                 "engine_unfinished": await stack.worker_metric("orpheus_engine_unfinished_requests"),
                  "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
     replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
     door = await doors(stack, args.doors) if args.doors else None

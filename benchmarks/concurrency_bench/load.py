@@ -17,6 +17,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,6 +372,21 @@ class Progress:
         if self.tty and self._shown:
             self.out.write("\r" + " " * 160 + "\r")
             self.out.flush()
+
+
+async def warm_up(endpoint: Endpoint, texts: Sequence[str], at_once: int, read_timeout_s: float) -> None:
+    """Untimed requests, `at_once` at a time, so first-request costs stay out of the figures; an endpoint
+    that cannot speak stops the run here."""
+
+    async def one(client: httpx.AsyncClient, seed: int, text: str) -> None:
+        reply = await client.post(f"{endpoint.url}/v1/audio/speech", json=endpoint.body(text, seed),
+                                  headers=endpoint.headers)
+        if reply.status_code != 200 or not reply.content:
+            raise RuntimeError(f"{endpoint.name}: warm-up request got HTTP {reply.status_code}: {reply.text[:300]}")
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=read_timeout_s), trust_env=False) as client:
+        for k in range(0, len(texts), at_once):
+            await asyncio.gather(*(one(client, k + i, text) for i, text in enumerate(texts[k : k + at_once])))
 
 
 async def _sleep_until(t: float) -> None:

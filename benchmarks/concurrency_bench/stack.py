@@ -77,18 +77,22 @@ class LocalStack:
     async def wait_idle(self, timeout_s: float = 60.0) -> float:
         """Until no worker has a stream or an engine request left (cancelled ones drain); returns seconds waited."""
         t0 = time.perf_counter()
-        urls = [f"http://{self.config.host}:{p}/metrics" for p in self.config.worker_ports()]
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            while time.perf_counter() - t0 < timeout_s:
-                try:
-                    texts = [(await client.get(u)).text for u in urls]
-                except httpx.HTTPError:
-                    texts = None
-                if texts is not None and all(gauge(t, "orpheus_active_streams") == 0
-                                             and gauge(t, "orpheus_engine_unfinished_requests") == 0 for t in texts):
-                    break
-                await asyncio.sleep(0.25)
+        while time.perf_counter() - t0 < timeout_s:
+            if (await self.worker_metric("orpheus_active_streams") == 0
+                    and await self.worker_metric("orpheus_engine_unfinished_requests") == 0):
+                break
+            await asyncio.sleep(0.25)
         return time.perf_counter() - t0
+
+    async def worker_metric(self, name: str) -> float:
+        """A counter or gauge summed over every worker (nan when a page cannot be read or lacks it)."""
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            try:
+                pages = [(await client.get(f"http://{self.config.host}:{p}/metrics")).text
+                         for p in self.config.worker_ports()]
+            except httpx.HTTPError:
+                return float("nan")
+        return sum(gauge(page, name) for page in pages)
 
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
