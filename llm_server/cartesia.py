@@ -24,7 +24,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request, WebSocket
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from codec_contract.audio import SAMPLE_RATE
 
@@ -32,7 +32,7 @@ from .encoding import AudioOutput, UnsupportedOutput
 from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec, Words
-from .speech import SegmentEnd
+from .speech import PromptTooLong, SegmentEnd
 from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,8 @@ class CartesiaSocket:
             raise
         except Exception as exc:
             if session.failed(exc):
-                await self._error(cid, 500, f"speech generation failed: {exc}")
+                bad_input = isinstance(exc, PromptTooLong)
+                await self._error(cid, 400 if bad_input else 500, str(exc) if bad_input else f"speech generation failed: {exc}")
         finally:
             if self.contexts.get(cid) is context:
                 del self.contexts[cid]
@@ -247,11 +248,11 @@ async def cartesia_websocket(ws: WebSocket) -> None:
 
 
 @router.post("/tts/bytes")
-async def cartesia_bytes(request: Request) -> StreamingResponse:
+async def cartesia_bytes(request: Request) -> Response:
     """One transcript, its audio streamed as the bytes come (raw, wav or mp3)."""
     message = await text_body(request, "transcript")
     try:
         spec = spec_of(message, request.app.state.runtime, containers=("raw", "wav", "mp3"))
     except Refusal as exc:
         raise ApiError(exc.status, str(exc), "output_format") from None
-    return speak_whole(request, spec, message["transcript"], "cartesia-bytes")
+    return await speak_whole(request, spec, message["transcript"], "cartesia-bytes")

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request, WebSocket
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from codec_contract.audio import SAMPLE_RATE
 
@@ -30,6 +30,7 @@ from .encoding import AudioOutput, UnsupportedOutput
 from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
+from .speech import PromptTooLong
 from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,10 @@ class DeepgramSocket:
             raise
         except Exception as exc:
             if session.failed(exc):
-                await self._error("SYNTHESIS_FAILED", f"speech generation failed: {exc}")
+                if isinstance(exc, PromptTooLong):
+                    await self._error("INPUT_TOO_LONG", str(exc))
+                else:
+                    await self._error("SYNTHESIS_FAILED", f"speech generation failed: {exc}")
         finally:
             if session in self.live:
                 self.live.remove(session)
@@ -227,7 +231,7 @@ async def deepgram_websocket(ws: WebSocket) -> None:
 
 
 @router.post("/v1/speak")
-async def deepgram_http(request: Request) -> StreamingResponse:
+async def deepgram_http(request: Request) -> Response:
     """`{"text"}` in, its audio streamed as the bytes come."""
     config = request.app.state.runtime.config
     try:
@@ -238,4 +242,4 @@ async def deepgram_http(request: Request) -> StreamingResponse:
     if settings.warning:
         log.info("deepgram speak: %s", settings.warning)
     spec = SpeechSpec(settings.voice, random.getrandbits(31), settings.output, trim_of(config))
-    return speak_whole(request, spec, body["text"], "deepgram")
+    return await speak_whole(request, spec, body["text"], "deepgram")

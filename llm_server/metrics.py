@@ -35,7 +35,8 @@ class LlmMetrics:
         self.tokens = Counter("orpheus_generated_tokens", "Audio-code tokens generated", registry=r)
         self.frames = Counter("orpheus_frames", "Audio frames generated (7 tokens each)", registry=r)
         self.audio_seconds = Counter("orpheus_audio_seconds", "Seconds of audio delivered", registry=r)
-        # outcome: ok, disconnected, error, slow_client (cut off), cancelled (barge-in), refused (a stream cap)
+        # outcome: ok, disconnected, error, slow_client (cut off), cancelled (barge-in), refused (a stream cap),
+        # invalid_input (a segment's prompt too long for the context)
         self.requests = Counter("orpheus_requests", "Speech requests by outcome", ["outcome"], registry=r)
         # By key name (never the key), when API keys are on: outcomes as above, plus refused_key.
         self.key_requests = Counter("orpheus_key_requests", "Speech requests by API key name and outcome",

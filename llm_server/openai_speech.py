@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -28,6 +28,7 @@ from .config import LlmServerConfig
 from .encoding import AudioOutput, SilenceTrim, sse_delta, sse_done, sse_event
 from .errors import ApiError
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
+from .speech import PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -111,29 +112,27 @@ async def text_body(request: Request, field: str) -> dict:
     return body
 
 
-def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str) -> StreamingResponse:
-    """Speak all of `text` and stream the bytes as they come; a full worker refuses with 429."""
-    try:
-        session = SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
-                                     f"{name}-{uuid.uuid4().hex[:16]}")
-    except Refused as exc:
-        raise refused_error(exc) from None
-    session.say(text)
-    return StreamingResponse(session.encoded_bytes(), media_type=spec.output.media_type)
-
-
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechBody, request: Request) -> Response:
     runtime = request.app.state.runtime
     spec = validate(body, runtime.config)
+    media = "text/event-stream" if body.stream_format == "sse" else spec.output.media_type
+    return await speak_whole(request, spec, body.input, "speech", body.stream_format == "sse", media,
+                             on_admit=lambda key: _log_request(runtime.config, body, spec.voice, key))
+
+
+async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, sse: bool = False,
+                      media_type: str | None = None, on_admit: Callable[[object], None] = lambda key: None) -> Response:
+    """Speak all of `text`: a full worker refuses with 429; the first audio is awaited, so a failure before
+    it is an error status (a prompt the context cannot hold: 400); then the rest as it is decoded."""
     key = getattr(request.state, "api_key", None)
     # The session id names engine and codec requests: unique even if clients reuse X-Request-Id.
     try:
-        session = SpeechSession.open(runtime, spec, key, f"speech-{uuid.uuid4().hex[:16]}")
+        session = SpeechSession.open(request.app.state.runtime, spec, key, f"{name}-{uuid.uuid4().hex[:16]}")
     except Refused as exc:
         raise refused_error(exc) from None
-    _log_request(runtime.config, body, spec.voice, key)
-    session.say(body.input)
+    on_admit(key)
+    session.say(text)
     # Watched from the start: a client gone before the first audio frees everything at once.
     watcher = asyncio.create_task(_close_on_disconnect(request, session))
     events = session.events()
@@ -145,11 +144,13 @@ async def speech(body: SpeechBody, request: Request) -> Response:
         if session.outcome == "disconnected" and watcher.done():
             await session.close()
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        if isinstance(exc, PromptTooLong):
+            await session.close("invalid_input")
+            raise ApiError(400, str(exc), "input", "context_length_exceeded") from None
         await session.close("error")
         log.error("%s failed before audio: %s", session.request_id, exc)
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
-    media = "text/event-stream" if body.stream_format == "sse" else spec.output.media_type
-    return SpeechResponse(session, first, events, body.stream_format == "sse", watcher, media)
+    return SpeechResponse(session, first, events, sse, watcher, media_type or spec.output.media_type)
 
 
 async def _next_audio(events: AsyncIterator) -> Audio | None:

@@ -21,7 +21,7 @@ from .auth import ApiKey
 from .encoding import S16_BYTES as SAMPLE_BYTES
 from .encoding import AudioOutput, SilenceTrim, StreamEncoder, first_audible
 from .prompt import TextSegmenter, split_sentences
-from .speech import SegmentEnd, SpeechJob, SpeechStream
+from .speech import PromptTooLong, SegmentEnd, SpeechJob, SpeechStream
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class SpeechSession:
         self._pace = ClientPace(runtime.config.max_client_lag_s)
         self._started = time.perf_counter()
         self._closed = False
+        self._cancelled = False  # cancel() was called: a failure after it is only its echo
         self._metrics.active_streams.inc()
 
     @classmethod
@@ -195,15 +196,6 @@ class SpeechSession:
             yield Audio(tail, 0.0)
         self.outcome = "ok"
 
-    async def encoded_bytes(self) -> AsyncIterator[bytes]:
-        """Just the bytes, then close(): for a plain streamed HTTP body (a client gone ends it)."""
-        try:
-            async for item in self.events():
-                if isinstance(item, Audio):
-                    yield item.data
-        finally:
-            await self.close()
-
     async def send(self, deliver: Callable[[], Awaitable[None]], seconds: float) -> None:
         """Run `deliver` (one send to the client) within the client's lag allowance; raise ClientTooSlow past it."""
         started = time.monotonic()
@@ -223,8 +215,12 @@ class SpeechSession:
     def failed(self, exc: BaseException) -> bool:
         """Generation failed: count and log it, and say whether the client should hear of it (not
         when the stream was cancelled or its client left: the failure is then only the cancel's echo)."""
-        if self.outcome in ("cancelled", "disconnected"):
+        if self._cancelled:  # not `outcome`: it reads "disconnected" until the stream ends otherwise
             return False
+        if isinstance(exc, PromptTooLong):  # the client's input, not a failure of ours
+            self.outcome = "invalid_input"
+            log.info("%s refused: %s", self.request_id, exc)
+            return True
         self.outcome = "error"
         log.error("%s failed after %.1f s of audio: %s: %s", self.request_id, self.delivered_s, type(exc).__name__, exc)
         return True
@@ -233,6 +229,7 @@ class SpeechSession:
         """Stop now (barge-in, a client gone): the engine request and codec streams go at once."""
         if self.outcome != "ok":
             self.outcome = outcome
+        self._cancelled = True
         self._stream.cancel()
 
     async def close(self, outcome: str | None = None) -> None:

@@ -24,6 +24,12 @@ from .metrics import LlmMetrics
 from .prompt import Tokenizer, prompt_ids, token_budget
 
 log = logging.getLogger(__name__)
+MIN_SPEECH_TOKENS = 8  # the fewest tokens a segment is generated with: room the prompt must leave
+
+
+class PromptTooLong(ValueError):
+    """A segment's prompt leaves no room for speech in the model's context: the input's fault (text that
+    tokenizes densely), refused before the engine sees it."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,9 @@ class SpeechPipeline:
     async def generate(self, out: SpeechStream, codec: CodecStream, text: str, seed: int, request_id: str) -> None:
         """One segment: its engine request, its frames sent to `codec` as they complete, then the end."""
         ids = prompt_ids(self._tokenizer, out.job.voice, text)
+        if len(ids) + MIN_SPEECH_TOKENS > self._config.max_model_len:
+            raise PromptTooLong(f"a segment of the input ({len(text)} characters) is a {len(ids)}-token prompt; this "
+                                f"worker's context is {self._config.max_model_len} tokens (max_model_len)")
         out.prompt_tokens += len(ids)
         assembler = FrameAssembler()
         generation = self.engine.generate(ids, self._sampling(text, len(ids), seed), request_id)
@@ -163,7 +172,7 @@ class SpeechPipeline:
 
     def _sampling(self, segment: str, prompt_len: int, seed: int) -> Sampling:
         return Sampling(
-            max_tokens=max(8, min(token_budget(segment), self._config.max_model_len - prompt_len)),
+            max_tokens=max(MIN_SPEECH_TOKENS, min(token_budget(segment), self._config.max_model_len - prompt_len)),
             temperature=self._config.temperature,
             top_p=self._config.top_p,
             repetition_penalty=self._config.repetition_penalty,

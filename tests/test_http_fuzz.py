@@ -273,6 +273,32 @@ def test_a_seed_outside_uint64_is_a_400(stack, seed):
     _assert_client_error(_speech(stack, {"model": "tts-1", "input": "hi", "voice": "tara", "seed": seed}), 400, "seed")
 
 
+# -- text that tokenizes past the worker's context -------------------------------------------------
+
+# Within max_input_chars and one segment (max_segment_chars 280), but a few tokens a character: its
+# prompt is far over this worker's 160-token context. Schemathesis found it as a 503.
+DENSE = "Ω≈ç√∫˜µ≤≥÷åß∂ƒ©˙∆˚¬…æœ∑´®†¥¨ˆøπ“‘¡™£¢∞§¶•ªº–≠" * 3
+DOORS = {
+    "openai": ("/v1/audio/speech", {"model": "tts-1", "input": DENSE, "voice": "tara", "response_format": "pcm"}),
+    "cartesia-bytes": ("/tts/bytes", {"model_id": "sonic-3", "transcript": DENSE, "voice": {"mode": "id", "id": "tara"},
+                                      "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}),
+    "deepgram": ("/v1/speak?model=tara&encoding=linear16&container=none", {"text": DENSE}),
+}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_prompt_over_the_context_is_a_400_that_holds_nothing(stack, door):
+    """Refused as the client's input before the engine sees it, at each HTTP door, before any audio;
+    the stream's slot, codec streams and engine request are all released."""
+    path, body = DOORS[door]
+    r = httpx.post(f"{stack['url']}{path}", json=body, timeout=60)
+    _assert_client_error(r, 400, code="context_length_exceeded")
+    assert "160 tokens" in r.json()["error"]["message"]
+    port = stack["worker"].port
+    assert wait_metric_zero(port, "orpheus_active_streams", within_s=30) == 0
+    assert wait_metric_zero(port, "orpheus_engine_unfinished_requests", within_s=30) == 0
+
+
 # -- afterwards ----------------------------------------------------------------------------------
 
 

@@ -251,3 +251,67 @@ async def test_sockets_present_keys_the_way_their_protocol_does(snac_server, tmp
             assert (await until_done(ws, {"q"}))["q"][-1]["type"] == "done"
         async with connect(ws_url(served, "/v1/speak?model=tara"), additional_headers={"Authorization": "Token agent-secret-key"}) as ws:
             assert json.loads(await ws.recv())["type"] == "Metadata"
+
+
+async def test_a_prompt_over_the_context_is_a_client_error_on_both_sockets(snac_server):
+    """A segment whose prompt the worker's context cannot hold (max_model_len 64, a 100-character sentence)
+    is the client's input, not a server failure: Cartesia answers 400, Deepgram INPUT_TOO_LONG; each
+    socket serves on, and nothing is held afterwards."""
+    long = "x" * 100 + "."
+    async with serving(snac_server, ScriptedEngineDouble(frames=3), max_model_len=64) as served:
+        quiet = await baseline(served, snac_server)
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
+            await ws.send(cartesia("long", long, more=False))
+            reply = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert reply["type"] == "error" and reply["status_code"] == 400 and reply["context_id"] == "long", reply
+            assert "64 tokens" in reply["error"]
+            await ws.send(cartesia("short", "Hi.", more=False))
+            assert (await until_done(ws, {"short"}))["short"][-1]["type"] == "done"
+        async with connect(ws_url(served, "/v1/speak?model=tara&encoding=linear16&sample_rate=24000")) as ws:
+            assert json.loads(await ws.recv())["type"] == "Metadata"
+            await ws.send(json.dumps({"type": "Speak", "text": long}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            error = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert error["type"] == "Error" and error["err_code"] == "INPUT_TOO_LONG" and "64 tokens" in error["err_msg"]
+            await ws.send(json.dumps({"type": "Speak", "text": "Hi."}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            audio, flushed = b"", []
+            async with asyncio.timeout(30):
+                while len(flushed) < 2:  # the failed flush is answered too, then this one
+                    message = await ws.recv()
+                    if isinstance(message, bytes):
+                        audio += message
+                    else:
+                        flushed.append(json.loads(message))
+            assert [m["sequence_id"] for m in flushed] == [1, 2] and len(audio) == 3 * FRAME_BYTES
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
+
+
+async def test_an_engine_failure_mid_stream_is_reported_on_both_sockets(snac_server):
+    """Generation that fails after audio went out: Cartesia says so with a 500 for the context, Deepgram
+    with SYNTHESIS_FAILED; both sockets stay open, and nothing is held afterwards."""
+    engine = ScriptedEngineDouble(frames=40)
+    async with serving(snac_server, engine) as served:
+        quiet = await baseline(served, snac_server)
+        engine.fail_after_frames = 12  # each request then waits at its 13th frame until the gate opens
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
+            await ws.send(cartesia("doomed", "This answer breaks halfway.", more=False))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "chunk"
+            engine.fail_gate.set()
+            async with asyncio.timeout(30):
+                while (reply := json.loads(await ws.recv()))["type"] == "chunk":
+                    pass
+            assert reply["type"] == "error" and reply["status_code"] == 500 and reply["context_id"] == "doomed", reply
+        engine.fail_gate.clear()
+        async with connect(ws_url(served, "/v1/speak?model=tara&encoding=linear16&sample_rate=24000")) as ws:
+            assert json.loads(await ws.recv())["type"] == "Metadata"
+            await ws.send(json.dumps({"type": "Speak", "text": "This answer breaks halfway."}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            assert isinstance(await asyncio.wait_for(ws.recv(), 30), bytes)
+            engine.fail_gate.set()
+            async with asyncio.timeout(30):
+                while isinstance(message := await ws.recv(), bytes):
+                    pass
+            error = json.loads(message)
+            assert error["type"] == "Error" and error["err_code"] == "SYNTHESIS_FAILED", error
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
