@@ -35,28 +35,46 @@ log = logging.getLogger("megapod")
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports, the kernel's choice (all bound at once, so distinct)."""
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n distinct free loopback ports, chosen below the kernel's ephemeral range: a server started on one
+    seconds later cannot find it taken by a port the kernel handed out meanwhile (an outgoing
+    connection's, or vLLM's engine binding port 0), which a kernel-chosen port could be."""
+    lo, hi = _fixed_port_range()
+    ports: list[int] = []
+    for _ in range(100 * n):
+        port = random.randint(lo, hi)
+        if port not in ports and _bindable(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports in {lo}-{hi}")
 
 
 def free_block(n: int, avoid: Collection[int] = ()) -> int:
-    """The first of n consecutive free loopback ports, none in `avoid` (`megapod up` numbers each tier from a base)."""
+    """The first of n consecutive free loopback ports, none in `avoid` (`megapod up` numbers each tier from
+    a base); below the ephemeral range too, and random, so concurrent runs rarely pick the same block."""
+    lo, hi = _fixed_port_range()
     for _ in range(200):
-        base = random.randint(20000, 60000 - n)  # random: concurrent runs rarely pick the same block
-        if avoid and not set(avoid).isdisjoint(range(base, base + n)):
-            continue
-        try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
+        base = random.randint(lo, hi - n + 1)
+        if set(avoid).isdisjoint(range(base, base + n)) and all(_bindable(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in {lo}-{hi}")
+
+
+def _fixed_port_range() -> tuple[int, int]:
+    """Ports the kernel never picks by itself: from 10000 to just below net.ipv4.ip_local_port_range."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    return 10000, max(ephemeral_low - 1, 20000)
+
+
+def _bindable(port: int) -> bool:
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+    except OSError:
+        return False
+    return True
 
 
 def probe(url: str) -> bool:

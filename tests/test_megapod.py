@@ -8,6 +8,7 @@ import io
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import wave
@@ -19,7 +20,7 @@ import pytest
 
 from processes import megapod_up, scrape
 
-from megapod.launcher import Child, free_ports, probe
+from megapod.launcher import Child, free_block, free_ports, probe
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,19 @@ def test_a_child_is_ready_in_a_process_group_of_its_own_and_stops_on_sigterm(tmp
     finally:
         assert child.stop() == -signal.SIGTERM
     assert not child.alive() and not probe(child.ready_url)
+
+
+def test_free_ports_are_never_ones_the_kernel_hands_out_by_itself():
+    """A worker binds its port only after vLLM has started (tens of seconds): a port from the ephemeral
+    range could be taken meanwhile by the kernel for anyone's outgoing connection or bind(0) (in CI it
+    was: "address already in use"). Ours come from below that range, distinct and free."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(64)
+    assert len(set(ports)) == 64 and all(10000 <= p < ephemeral_low for p in ports)
+    base = free_block(8, avoid=ports)
+    assert base + 8 <= ephemeral_low and set(ports).isdisjoint(range(base, base + 8))
+    for port in [*ports, *range(base, base + 8)]:
+        socket.create_server(("127.0.0.1", port)).close()
 
 
 def test_a_child_that_exits_during_start_up_fails_wait_ready_with_its_log_tail(tmp_path):
