@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -460,7 +460,7 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
     return out
 
 
-async def _health_pings(client: httpx.AsyncClient, url: str, stop: Any) -> list[float]:
+async def _health_pings(client: httpx.AsyncClient, url: str, stop: Callable[[], bool]) -> list[float]:
     """GET /health every 50 ms until stop(): what any request costs on the machine beside the refusals."""
     times = []
     while not stop():
@@ -668,7 +668,7 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     shortest = sorted(corpus.utterances, key=lambda u: len(u.text))
     await warm_up(endpoint, [u.text for u in shortest[: 2 * args.concurrency]], args.concurrency, args.read_timeout_s)
     await stack.wait_idle()
-    frames_before = await stack.worker_metric("orpheus_frames_total")
+    frames_before = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"]
     memory = MemoryWatch(stack, args.memory_every_s).start()  # "start" = after warm-up
     cpu_before = cpu_snapshot([stack])
     level = SoakLevel(endpoint, shape, corpus, args.concurrency, args.minutes * 60, args.probe_every_s,
@@ -676,10 +676,11 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     run = await level.run_level()
     idle_wait_s = await stack.wait_idle()
     cores = cpu_cores(cpu_before, cpu_snapshot([stack]))
-    frames = await stack.worker_metric("orpheus_frames_total") - frames_before
+    frames = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"] - frames_before
     memory.stop()
-    end_state = {"active_streams": await stack.worker_metric("orpheus_active_streams"),
-                 "engine_unfinished": await stack.worker_metric("orpheus_engine_unfinished_requests"),
+    held = await stack.worker_metrics("orpheus_active_streams", "orpheus_engine_unfinished_requests")
+    end_state = {"active_streams": held["orpheus_active_streams"],
+                 "engine_unfinished": held["orpheus_engine_unfinished_requests"],
                  "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
     replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
     door = await doors(stack, args.doors) if args.doors else None

@@ -61,7 +61,8 @@ def free_block(n: int, avoid: Collection[int] = ()) -> int:
 
 
 def _fixed_port_range() -> tuple[int, int]:
-    """Ports the kernel never picks by itself: from 10000 to just below net.ipv4.ip_local_port_range."""
+    """Ports the kernel never picks by itself: from 10000 to just below net.ipv4.ip_local_port_range
+    (10000-20000 where that range starts lower: then they may overlap it)."""
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):

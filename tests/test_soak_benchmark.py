@@ -26,7 +26,7 @@ def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(tmp_
     assert result["audio"]["exact"] and result["audio"]["samples_lost"] == 0 and result["audio"]["frames_generated"] > 0
     assert result["replays"] and all(r["same"] for r in result["replays"])
     ttfb = result["doors"]["ttfb_s"]
-    assert list(ttfb) == FORMATS and all(v["p50"] > 0 for v in ttfb.values()) and ttfb["pcm"]["p50_minus_pcm"] == 0
+    assert list(ttfb) == FORMATS and all(v["p50"] > 0 for v in ttfb.values())
     barge_in = result["doors"]["barge_in"]
     assert barge_in["all_released"] and len(barge_in["runs"]) == 1
     assert sum(barge_in["runs"][0]["held_at_cancel"].values()) > 0, "the cancelled context held resources first"

@@ -78,21 +78,22 @@ class LocalStack:
         """Until no worker has a stream or an engine request left (cancelled ones drain); returns seconds waited."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout_s:
-            if (await self.worker_metric("orpheus_active_streams") == 0
-                    and await self.worker_metric("orpheus_engine_unfinished_requests") == 0):
+            held = await self.worker_metrics("orpheus_active_streams", "orpheus_engine_unfinished_requests")
+            if all(v == 0 for v in held.values()):
                 break
             await asyncio.sleep(0.25)
         return time.perf_counter() - t0
 
-    async def worker_metric(self, name: str) -> float:
-        """A counter or gauge summed over every worker (nan when a page cannot be read or lacks it)."""
+    async def worker_metrics(self, *names: str) -> dict[str, float]:
+        """Counters or gauges, each summed over every worker, from one scrape of each (nan when a page
+        cannot be read or lacks one)."""
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             try:
                 pages = [(await client.get(f"http://{self.config.host}:{p}/metrics")).text
                          for p in self.config.worker_ports()]
             except httpx.HTTPError:
-                return float("nan")
-        return sum(gauge(page, name) for page in pages)
+                return dict.fromkeys(names, float("nan"))
+        return {name: sum(gauge(page, name) for page in pages) for name in names}
 
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
