@@ -181,6 +181,7 @@ class CodecStream:
         self._ended = False
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reading: asyncio.Future | None = None  # the pending call.read(), kept across stall checks
+        self._header_write: asyncio.Future | None = None  # a call's first write, while it waits
         self._lock = asyncio.Lock()  # one writer at a time: resends must not interleave new frames
         self._cancelled = False
         self._arrived = asyncio.Event()  # frames or the end came in (or the stream was cancelled)
@@ -223,7 +224,7 @@ class CodecStream:
             if self._call is None:
                 await self._arrived.wait()  # nothing sent yet: open once there is something to decode
                 async with self._lock:
-                    if self._call is None and not self._cancelled:
+                    if self._call is None:
                         await self._open()
                 continue
             call = self._call
@@ -246,6 +247,8 @@ class CodecStream:
         self._arrived.set()
         if self._call is not None:
             self._call.cancel()
+        if self._header_write is not None:
+            self._header_write.cancel()
 
     def _accept(self, message: codec_pb2.PcmChunk) -> AudioChunk | None:
         """Advance past a chunk; drop audio already delivered by a previous replica."""
@@ -312,25 +315,42 @@ class CodecStream:
         async with self._lock:
             if self._call is call:  # not already replaced by a concurrent writer
                 call.cancel()
-                await self._open()
+                await self._open()  # not if cancel() came while we waited: chunks() then ends
         self.failovers += 1
         return attempts + 1
 
     async def _open(self) -> None:
-        """Open a call and replay: header, the owed frames with their context, end if seen."""
+        """Open a call and replay: header, the owed frames with their context, end if seen (not once cancelled)."""
+        if self._cancelled:
+            return
         first = self._resume_from()
         header = codec_pb2.SessionHeader(
             seed=self._seed, policy=self._config.policy, sample_format=self._config.sample_format,
             first_frame=first, emit_from_sample=self._delivered, stream_id=self._stream_id,
         )
         self._call = self._stub().Decode(wait_for_ready=True)
-        await self._write(codec_pb2.DecodeRequest(header=header))
+        await self._write_header(codec_pb2.DecodeRequest(header=header))
         pending = self._frames[first - self._frames_start :]
         if len(pending):
             await self._write(frames_request(pending))
         if self._ended:
             await self._write(END_REQUEST)
             await self._done_writing()
+
+    async def _write_header(self, request: codec_pb2.DecodeRequest) -> None:
+        """A call's first write waits until its headers are out (wait_for_ready: until a replica takes
+        the call). grpc.aio (1.85) never wakes a write waiting there once the call is cancelled, which
+        would hold the stream, and the lock, for good; so cancel() ends this wait itself."""
+        write = self._header_write = asyncio.ensure_future(self._write(request))
+        try:
+            await asyncio.wait({write})
+        except asyncio.CancelledError:
+            write.cancel()
+            raise
+        finally:
+            self._header_write = None
+        if not write.cancelled():
+            write.result()
 
     async def _write(self, request: codec_pb2.DecodeRequest) -> None:
         try:

@@ -141,14 +141,12 @@ async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, 
     except Exception as exc:
         watcher.cancel()
         await events.aclose()
-        if session.outcome == "disconnected" and watcher.done():
-            await session.close()
+        told = session.failed(exc)  # counted (invalid_input or error) and logged as every door's failures are
+        await session.close()
+        if not told:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         if isinstance(exc, PromptTooLong):
-            await session.close("invalid_input")
             raise ApiError(400, str(exc), "input", "context_length_exceeded") from None
-        await session.close("error")
-        log.error("%s failed before audio: %s", session.request_id, exc)
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
     return SpeechResponse(session, first, events, sse, watcher, media_type or spec.output.media_type)
 
@@ -199,11 +197,8 @@ class SpeechResponse(StreamingResponse):
         try:
             return await _next_audio(self.events)
         except Exception as exc:
-            if self.session.outcome == "disconnected" and self.watcher.done():
-                raise  # the client left: nothing to tell it
-            self.session.outcome = "error"
-            log.error("%s failed after %.1f s of audio: %s: %s", self.session.request_id,
-                      self.session.delivered_s, type(exc).__name__, exc)
+            if not self.session.failed(exc):
+                return None  # the client left (the watcher cancelled the session): nothing more to send
             raise _Failed(str(exc)) from None
 
 

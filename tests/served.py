@@ -97,8 +97,9 @@ class Served:
 
 @asynccontextmanager
 async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, **overrides):
-    """The real app over a real Runtime (engine double) under uvicorn, in this event loop."""
-    config = LlmServerConfig(host="127.0.0.1", port=0, snac=snac_server.address, **overrides)
+    """The real app over a real Runtime (engine double) under uvicorn, in this event loop; its codec
+    client goes to `snac_server` unless `snac=` says otherwise."""
+    config = LlmServerConfig(host="127.0.0.1", port=0, **{"snac": snac_server.address, **overrides})
     engine = engine or ScriptedEngineDouble()
     codec = CodecClient(codec_client_config(config))
     metrics = LlmMetrics(engine.num_unfinished)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 import pytest_asyncio
 
 from conftest import random_frames, server_config
 from llm_server.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.runtime import codec_client_config
+from megapod.launcher import free_ports
 from codec_contract.api import codec_pb2
 from snac_server.server import build_server
 
@@ -156,4 +158,25 @@ async def test_a_stream_opens_its_call_when_its_audio_is_read(replicas):
     audio = np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
     reference, _, _ = await _run(client, frames, seed=5)  # read while sent: rows split differently
     assert chunks[-1].final and len(audio) == len(reference) and np.abs(audio - reference).max() < 1e-5
+    await client.close()
+
+
+async def test_a_cancel_ends_a_stream_whose_call_is_still_waiting_for_a_replica():
+    """Cancelled while its call waits to send its headers (wait_for_ready, no replica taking it yet):
+    the reader ends at once and the producer is not held. grpc.aio 1.85 never wakes a write waiting
+    there once its call is cancelled; the stream waited forever, and a worker's speech session with
+    it (a slot leaked when a client left 40 ms into its request)."""
+    nobody = free_ports(1)[0]  # nothing listens: the call never gets its headers out
+    client = CodecClient(CodecClientConfig(addresses=f"127.0.0.1:{nobody}"))
+    stream = client.stream(1)
+    await stream.send(random_frames(4, seed=1))
+    reader = asyncio.create_task(anext(stream.chunks()))  # opens the call; its first write waits
+    await asyncio.sleep(0.5)
+    assert not reader.done(), "the call should still be waiting for a replica"
+    stream.cancel()
+    # Hang guards, not timings: before the fix neither ever finished.
+    with pytest.raises(CodecError, match="cancelled"):
+        await asyncio.wait_for(reader, 30)
+    await asyncio.wait_for(stream.send(random_frames(2, seed=2)), 30)
+    await asyncio.wait_for(stream.end(), 30)
     await client.close()

@@ -23,8 +23,9 @@ from llm_server.api import create_app
 from llm_server.auth import ApiKeysError
 from llm_server.config import LlmServerConfig
 from llm_server.request_log import RequestIdFilter
+from megapod.launcher import free_ports
 
-from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline, body, serving, settled
+from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline, body, pending_tasks, serving, settled
 
 
 async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "") -> socket.socket:
@@ -131,7 +132,7 @@ async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_au
 # --- clients leaving at random points ---------------------------------------------------------
 
 
-async def test_random_disconnects_release_everything(snac_server):
+async def test_random_disconnects_release_everything(snac_server, caplog):
     engine = ScriptedEngineDouble(frames=60, batch_delay_s=0.004)
     rng = random.Random(7)
     loop = asyncio.get_running_loop()
@@ -174,6 +175,29 @@ async def test_random_disconnects_release_everything(snac_server):
         assert served.runtime.admission.active == 0
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
             assert len((await client.post("/v1/audio/speech", json=body())).content) == 60 * FRAME_BYTES
+    # A client leaving is no error of ours: no traceback, no error line (each was an "Exception in ASGI application").
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_client_gone_while_no_codec_replica_takes_the_call_releases_everything(snac_server):
+    """The codec tier unreachable (the stream's call waits for a replica to take it) and the client
+    gives up: its slot, engine request and tasks are all freed. Before, the call's first write never
+    woke once cancelled (grpc.aio 1.85), so the session stayed open for good (seen in CI: a worker's
+    active stream left over after a client left 40 ms into its request)."""
+    nobody = free_ports(1)[0]
+    async with serving(snac_server, ScriptedEngineDouble(frames=8), snac=f"127.0.0.1:{nobody}") as served:
+        quiet = pending_tasks()
+        sock = await _open_raw(served.port, body())
+        registry, loop = served.runtime.metrics.registry, asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not registry.get_sample_value("orpheus_frames_total") and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert registry.get_sample_value("orpheus_frames_total"), "no frame generated in 30 s"
+        await asyncio.sleep(0.3)  # the first frames are in the codec stream; its call waits for a replica
+        sock.close()
+        readings = await settled(served, snac_server, quiet, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
+        assert readings == dict.fromkeys(readings, 0), readings
+        assert served.outcome("disconnected") == 1
 
 
 # --- slow clients -----------------------------------------------------------------------------
