@@ -188,11 +188,7 @@ async def test_a_client_gone_while_no_codec_replica_takes_the_call_releases_ever
     async with serving(snac_server, ScriptedEngineDouble(frames=8), snac=f"127.0.0.1:{nobody}") as served:
         quiet = pending_tasks()
         sock = await _open_raw(served.port, body())
-        registry, loop = served.runtime.metrics.registry, asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while not registry.get_sample_value("orpheus_frames_total") and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        assert registry.get_sample_value("orpheus_frames_total"), "no frame generated in 30 s"
+        await _until(lambda: served.runtime.metrics.registry.get_sample_value("orpheus_frames_total"), within_s=30)
         await asyncio.sleep(0.3)  # the first frames are in the codec stream; its call waits for a replica
         sock.close()
         readings = await settled(served, snac_server, quiet, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
