@@ -177,6 +177,9 @@ class SpeechResponse(StreamingResponse):
                 body = sse_delta(audio.data) if self.sse else audio.data
                 await session.send(lambda: send({"type": "http.response.body", "body": body, "more_body": True}), audio.seconds)
                 audio = await self._next()
+            # Free the slot before the client can see the end: one that asks again at once (a stream at a
+            # time, at its cap) must not be refused for the stream it just finished.
+            await self._release()
             if self.sse:
                 await send({"type": "http.response.body", "body": sse_done(*session.usage), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -189,9 +192,13 @@ class SpeechResponse(StreamingResponse):
             elif ctx is not None:
                 ctx.end_response_early()
         finally:
-            self.watcher.cancel()
-            await self.events.aclose()
-            await session.close()
+            await self._release()
+
+    async def _release(self) -> None:
+        """Stop watching, close the events and the session (slot, engine, codec); safe to repeat."""
+        self.watcher.cancel()
+        await self.events.aclose()
+        await self.session.close()
 
     async def _next(self) -> Audio | None:
         try:

@@ -89,6 +89,7 @@ class Served:
     port: int
     runtime: Runtime
     engine: ScriptedEngineDouble
+    app: object  # the ASGI app uvicorn serves
 
     def outcome(self, outcome: str) -> float:
         value = self.runtime.metrics.registry.get_sample_value("orpheus_requests_total", {"outcome": outcome})
@@ -121,7 +122,7 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
         await asyncio.sleep(0.01)
     port = sock.getsockname()[1]
     try:
-        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine)
+        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine, app)
     finally:
         server.should_exit = True
         await task

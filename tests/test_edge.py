@@ -196,6 +196,30 @@ async def test_a_client_gone_while_no_codec_replica_takes_the_call_releases_ever
         assert served.outcome("disconnected") == 1
 
 
+async def test_a_stream_frees_its_slot_before_its_client_sees_the_end(snac_server):
+    """A client that asks again the moment its audio ended (one stream at a time, at its cap) is not
+    refused for the stream it just finished: the response's last message goes out after the session
+    let go of its slot. Before, the slot was freed after it (the soak's back-to-back warm-up got a 429
+    in make test)."""
+    async with serving(snac_server, ScriptedEngineDouble(frames=8), max_streams=1) as served:
+        held_when_ended = []
+
+        async def app(scope, receive, send):
+            async def watched(message):
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    held_when_ended.append(served.runtime.admission.active)
+                await send(message)
+            await served.app(scope, receive, watched)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://edge") as client:
+            for fmt in ("pcm", "wav"):
+                reply = await client.post("/v1/audio/speech", json=body(response_format=fmt))
+                assert reply.status_code == 200 and reply.content
+            reply = await client.post("/v1/audio/speech", json=body(stream_format="sse", response_format="pcm"))
+            assert reply.status_code == 200 and b"speech.audio.done" in reply.content
+        assert held_when_ended == [0, 0, 0]
+
+
 # --- slow clients -----------------------------------------------------------------------------
 
 
