@@ -35,6 +35,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -424,7 +425,7 @@ async def codec_level(n: int, seconds: float, ports: tuple[int, int], replica: p
             "real_time": late[int(0.99 * (len(late) - 1))] < frame_s}
 
 
-def versus_vllm(args: argparse.Namespace) -> dict:
+def versus_vllm(args: argparse.Namespace, logs: Path) -> dict:
     """The worker on the real CPU engine (the codec replica a double) and vLLM's own OpenAI server on the
     same tiny model and engine settings, one after the other, under the same n streams."""
     from transformers import AutoTokenizer
@@ -437,8 +438,6 @@ def versus_vllm(args: argparse.Namespace) -> dict:
     engine = {"--max-model-len": "1024", "--max-num-seqs": "64"}  # and eager, for both servers
     engine_flags = [x for kv in engine.items() for x in kv]
     base = free_block(4)
-    logs = Path("/tmp/serving-cpu")
-    logs.mkdir(exist_ok=True)
     out: dict = {"streams": args.versus_vllm, "seconds": args.seconds}
 
     started = [start(["--role", "codec", "--port", str(base), "--metrics-port", str(base + 1)], logs / "codec.log")]
@@ -509,16 +508,17 @@ def main() -> None:
     if args.role == "worker":
         return run_worker(args.port, args.snac, args.step_ms / 1000, args.frames, args.stream_interval, args.lag_file)
 
+    logs = Path(tempfile.mkdtemp(prefix="serving-cpu-"))  # this run's own: another run's lag lines stay out
+    print(f"logs in {logs}", file=sys.stderr, flush=True)
     if args.versus_vllm:
-        result = {"benchmark": "serving_cpu --versus-vllm", **versus_vllm(args), "provenance": record(PACKAGES)}
+        result = {"benchmark": "serving_cpu --versus-vllm", **versus_vllm(args, logs), "logs": str(logs),
+                  "provenance": record(PACKAGES)}
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return None
     if args.codec_streams:
-        return codec_alone(args)
+        return codec_alone(args, logs)
     ports = dict(zip(("codec", "codec_metrics", "worker"), free_ports(3)))
-    logs = Path("/tmp/serving-cpu")
-    logs.mkdir(exist_ok=True)
     lag_file = logs / "lag.jsonl"
     lag_file.write_text("")
     codec = start(["--role", "codec", "--port", str(ports["codec"]), "--metrics-port", str(ports["codec_metrics"])],
@@ -542,17 +542,15 @@ def main() -> None:
         for proc in started:
             proc.stop(timeout_s=30)
     result = {"benchmark": "serving_cpu", "step_ms": args.step_ms, "frames_per_reply": args.frames,
-              "stream_interval": args.stream_interval, "levels": levels, "provenance": record(PACKAGES)}
+              "stream_interval": args.stream_interval, "levels": levels, "logs": str(logs), "provenance": record(PACKAGES)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.out).with_suffix(".png"))
 
 
-def codec_alone(args: argparse.Namespace) -> None:
+def codec_alone(args: argparse.Namespace, logs: Path) -> None:
     """The replica (decoder double) driven straight over gRPC: far cheaper than a worker per frame, so
     two cores reach the frame rates one replica takes in the MegaPod (7 x 250 x 11.7 / 3 = 6,800/s)."""
     port, metrics_port = free_ports(2)
-    logs = Path("/tmp/serving-cpu")
-    logs.mkdir(exist_ok=True)
     lag_file = logs / "codec-lag.jsonl"
     lag_file.write_text("")
     codec = start(["--role", "codec", "--port", str(port), "--metrics-port", str(metrics_port), "--lag-file", str(lag_file)],
@@ -570,7 +568,7 @@ def codec_alone(args: argparse.Namespace) -> None:
     finally:
         codec.stop(timeout_s=30)
     result = {"benchmark": "serving_cpu --codec-streams", "step_ms": args.step_ms, "levels": levels,
-              "provenance": record(PACKAGES)}
+              "logs": str(logs), "provenance": record(PACKAGES)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(args.out).with_suffix(".png"), who=("codec", "driver"), x="frames_per_s",
          xlabel="frames/s into one codec replica (decoder double)")

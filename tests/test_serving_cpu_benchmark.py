@@ -5,6 +5,7 @@ performance is claimed from benchmark runs, never from timed tests."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,16 @@ BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "serving_cpu
 
 
 def test_a_small_level_writes_its_figures(tmp_path):
+    """Its logs and loop-lag lines go to a folder of this run's own (a shared fixed one let a second run
+    truncate and mix into the first's lag file)."""
     out = tmp_path / "serving.json"
     done = subprocess.run([sys.executable, str(BENCHMARK), "--streams", "2", "--seconds", "3", "--frames", "12",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
+    logs = Path(result["logs"])
+    assert logs.parent == tmp_path and (logs / "lag.jsonl").stat().st_size > 0 and (logs / "worker.log").exists()
     (level,) = result["levels"]
     assert level["streams"] == 2 and level["errors"] == 0 and level["requests"] >= 2
     # the worker counted the engine double's tokens, the replica the frames it decoded
