@@ -455,8 +455,8 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
                         if s["bytes"] else None} for s in streams]}
     if flooded:
         out["flood"] = {"requests": len(knocks), "statuses": Counter(str(k.status) for k in knocks),
-                        "latency_s": _rounded(percentiles([k.latency_s for k in knocks], (50, 95, 100)), 4),
-                        "health_latency_s": _rounded(percentiles(pings, (50, 95, 100)), 4)}
+                        "latency_s": percentiles([k.latency_s for k in knocks], (50, 95, 100), 4),
+                        "health_latency_s": percentiles(pings, (50, 95, 100), 4)}
     return out
 
 
@@ -498,7 +498,7 @@ async def _ttfb_by_format(stack: LocalStack, rounds: int) -> dict[str, Any]:
                 await stack.wait_idle()
                 times[fmt].append(await first_byte(fmt))
     pcm = statistics.median(times["pcm"])
-    return {f: {**_rounded(percentiles(v, (50, 95, 100)), 4), "p50_minus_pcm": round(statistics.median(v) - pcm, 4)}
+    return {f: {**percentiles(v, (50, 95, 100), 4), "p50_minus_pcm": round(statistics.median(v) - pcm, 4)}
             for f, v in times.items()}
 
 
@@ -513,7 +513,7 @@ async def _barge_ins(stack: LocalStack, trials: int) -> dict[str, Any]:
             runs.append(await _barge_in(stack.url.replace("http://", "ws://") + "/tts/websocket", client, urls, k))
     released = [r["released_s"] for r in runs if r["released_s"] is not None]
     return {"runs": runs, "all_released": len(released) == len(runs),
-            "released_s": _rounded(percentiles(released, (50, 95, 100)), 4)}
+            "released_s": percentiles(released, (50, 95, 100), 4)}
 
 
 async def _barge_in(ws_url: str, client: httpx.AsyncClient, urls: list[str], k: int) -> dict[str, Any]:
@@ -620,7 +620,7 @@ def load_summary(run: LevelRun) -> dict[str, Any]:
     return {"requests": len(main), "served": len(done), "refused_429": refused, "errors": sum(kinds.values()),
             "errors_by_kind": dict(kinds), "audio_s": round(sum(r.audio_bytes for r in done) / BYTES_PER_AUDIO_S, 1),
             "audio_s_per_s": round(sum(r.audio_bytes for r in main) / BYTES_PER_AUDIO_S / run.wall_s, 3),
-            "ttfa_s": _rounded(percentiles(ttfa)), "wall_s_per_audio_s": _rounded(percentiles(rtf)),
+            "ttfa_s": percentiles(ttfa, digits=3), "wall_s_per_audio_s": percentiles(rtf, digits=3),
             "by_minute": by_minute(run)}
 
 
@@ -634,7 +634,7 @@ def by_minute(run: LevelRun) -> list[dict[str, Any]]:
             rows.setdefault(int((r.sent_s - run.t0) // 60), {"bytes": 0, "ttfa": []})["ttfa"].append(
                 r.chunks[0][0] - r.sent_s)
     return [{"minute": m, "audio_s": round(v["bytes"] / BYTES_PER_AUDIO_S, 1),
-             "ttfa_s_p50": _rounded(percentiles(v["ttfa"], (50,)))["p50"]} for m, v in sorted(rows.items())]
+             "ttfa_s_p50": percentiles(v["ttfa"], (50,), 3)["p50"]} for m, v in sorted(rows.items())]
 
 
 def probe_summary(probes: list[Probe]) -> dict[str, Any]:
@@ -645,13 +645,9 @@ def probe_summary(probes: list[Probe]) -> dict[str, Any]:
         out[kind] = {"sent": len(ps), "refused_429": len(refused), "admitted": sum(1 for p in ps if p.status == 200),
                      "left_mid_stream": sum(1 for p in ps if p.cut),
                      "badly_refused": sum(1 for p in refused if not (p.retry_after and p.openai_error)),
-                     "refusal_latency_s": _rounded(percentiles([p.latency_s for p in refused], (50, 95, 100)), 4)}
+                     "refusal_latency_s": percentiles([p.latency_s for p in refused], (50, 95, 100), 4)}
     out["other_errors"] = dict(Counter(k for p in probes if (k := error_kind(p)) not in (None, "cut", "HTTP 429")))
     return out
-
-
-def _rounded(d: dict[str, float | None], digits: int = 3) -> dict[str, float | None]:
-    return {k: None if v is None else round(v, digits) for k, v in d.items()}
 
 
 # -- main -----------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def level_record(run: LevelRun, targets: Targets, gpus: int | None) -> dict[str,
     per_gpu = None if not gpus else round(rate["audio_s_per_s"] / gpus, 4)
 
     def pct(key: str, rows: list[dict]) -> dict[str, float | None]:
-        return _round(metrics.percentiles(f[key] for f in rows))
+        return metrics.percentiles((f[key] for f in rows), digits=4)
 
     return {
         "endpoint": run.endpoint, "n": run.n, "run": run.run, "mode": run.mode,
@@ -50,7 +50,7 @@ def level_record(run: LevelRun, targets: Targets, gpus: int | None) -> dict[str,
         "required_buffer_s": pct("required_buffer_s", ok + live),
         "rtf": pct("rtf", ok),
         "stall_share": _share(sum(f["stall_count"] > 0 for f in ok), len(ok)),
-        "gap_s": {**_round(metrics.percentiles(gaps)), "max": round(max(gaps), 4) if gaps else None},
+        "gap_s": {**metrics.percentiles(gaps, digits=4), "max": round(max(gaps), 4) if gaps else None},
         "audio_s_per_stream": pct("audio_s", ok),
         **rate,
         "audio_s_per_s_per_gpu": per_gpu,
@@ -114,6 +114,3 @@ def _error_kind(error: str | None) -> str:
 def _share(k: int, n: int) -> float | None:
     return round(k / n, 4) if n else None
 
-
-def _round(d: dict[str, float | None], digits: int = 4) -> dict[str, float | None]:
-    return {k: None if v is None else round(v, digits) for k, v in d.items()}

@@ -252,7 +252,9 @@ def verdict(timelines: Sequence[Timeline], targets: Targets) -> list[str]:
     return count(timelines, targets).over(targets)
 
 
-def percentiles(values: Iterable[float | None], ps: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
-    """Linear-interpolated percentiles of the values that exist; None when there are none."""
+def percentiles(values: Iterable[float | None], ps: Sequence[float] = (50, 95, 99),
+                digits: int | None = None) -> dict[str, float | None]:
+    """Linear-interpolated percentiles of the values that exist (rounded to `digits`); None when there are none."""
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
-    return {f"p{p:g}": (float(np.percentile(arr, p)) if arr.size else None) for p in ps}
+    out = {f"p{p:g}": (float(np.percentile(arr, p)) if arr.size else None) for p in ps}
+    return out if digits is None else {k: None if v is None else round(v, digits) for k, v in out.items()}
