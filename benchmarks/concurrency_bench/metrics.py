@@ -39,7 +39,6 @@ class Timeline:
     ended_s: float | None = None  # last byte or failure; None while the stream is open
     completed: bool = False  # HTTP 200 and the body ran to its end without an error
     error: str | None = None
-    expected_audio_s: float | None = None  # when the audio a request should give is known
 
     @property
     def open(self) -> bool:
@@ -69,7 +68,6 @@ class Targets:
     success_share: float = 0.99
     realtime_share: float = 0.99
     ttfa_quantile: float = 0.95
-    truncation_tolerance: float = 0.02  # audio short of the expected by more than this is truncated
 
     def __post_init__(self) -> None:
         if self.ttfa_s <= 0 or self.buffer_s < 0 or self.pace <= 0:
@@ -152,23 +150,19 @@ def real_time_factor(tl: Timeline) -> float | None:
     return (tl.ended_s - tl.sent_s) / tl.audio_s
 
 
-def truncated(tl: Timeline, tolerance: float = 0.02) -> bool:
-    """Audio started but the stream was cut: an error after audio, a partial sample, or short of the expected."""
-    if tl.open or tl.audio_bytes == 0:
-        return False
-    if not tl.completed or tl.audio_bytes % SAMPLE_BYTES:
-        return True
-    return tl.expected_audio_s is not None and tl.audio_s < tl.expected_audio_s * (1 - tolerance) - EPS
+def truncated(tl: Timeline) -> bool:
+    """Audio started but the stream was cut: an error after audio, or a partial sample."""
+    return not tl.open and tl.audio_bytes > 0 and (not tl.completed or tl.audio_bytes % SAMPLE_BYTES != 0)
 
 
-def succeeded(tl: Timeline, tolerance: float = 0.02) -> bool:
+def succeeded(tl: Timeline) -> bool:
     """Ended cleanly with audio, and not truncated."""
-    return not tl.open and tl.completed and tl.audio_bytes > 0 and not truncated(tl, tolerance)
+    return not tl.open and tl.completed and tl.audio_bytes > 0 and not truncated(tl)
 
 
-def real_time(tl: Timeline, buffer_s: float, pace: float = 1.0, tolerance: float = 0.02) -> bool:
+def real_time(tl: Timeline, buffer_s: float, pace: float = 1.0) -> bool:
     """Succeeded and never ran dry with `buffer_s` of buffering."""
-    return succeeded(tl, tolerance) and required_buffer_s(tl.chunks, pace) <= buffer_s + EPS
+    return succeeded(tl) and required_buffer_s(tl.chunks, pace) <= buffer_s + EPS
 
 
 def first_audible_sample(pcm: bytes, threshold: int) -> int | None:
@@ -182,9 +176,9 @@ def stream_figures(tl: Timeline, targets: Targets, audible_offset: int | None = 
     """Everything about one stream that a level aggregates."""
     stall_count, stall_s = stalls(tl.chunks, targets.buffer_s, targets.pace)
     return {
-        "ok": succeeded(tl, targets.truncation_tolerance),
-        "truncated": truncated(tl, targets.truncation_tolerance),
-        "real_time": real_time(tl, targets.buffer_s, targets.pace, targets.truncation_tolerance),
+        "ok": succeeded(tl),
+        "truncated": truncated(tl),
+        "real_time": real_time(tl, targets.buffer_s, targets.pace),
         "ttfa_s": time_to_first_audio(tl),
         "ttfa_audible_s": time_to_offset(tl, audible_offset),
         "required_buffer_s": required_buffer_s(tl.chunks, targets.pace) if tl.audio_bytes else None,
@@ -232,7 +226,7 @@ def count(timelines: Iterable[Timeline], targets: Targets, now: float | None = N
     n = failed = dry = slow = 0
     for tl in timelines:
         n += 1
-        bad = not tl.open and not succeeded(tl, targets.truncation_tolerance)
+        bad = not tl.open and not succeeded(tl)
         failed += bad
         dry += bad or ran_dry(tl, targets.buffer_s, targets.pace, now)
         ttfa = time_to_first_audio(tl)
