@@ -139,16 +139,21 @@ async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, 
     try:
         first = await _next_audio(events)
     except Exception as exc:
-        watcher.cancel()
-        await events.aclose()
         told = session.failed(exc)  # counted (invalid_input or error) and logged as every door's failures are
-        await session.close()
+        await _release(watcher, events, session)
         if not told:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
         if isinstance(exc, PromptTooLong):
             raise ApiError(400, str(exc), "input", "context_length_exceeded") from None
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
     return SpeechResponse(session, first, events, sse, watcher, media_type or spec.output.media_type)
+
+
+async def _release(watcher: asyncio.Task, events: AsyncIterator, session: SpeechSession) -> None:
+    """Stop watching the client, close the events and the session (slot, engine, codec); safe to repeat."""
+    watcher.cancel()
+    await events.aclose()
+    await session.close()
 
 
 async def _next_audio(events: AsyncIterator) -> Audio | None:
@@ -179,7 +184,7 @@ class SpeechResponse(StreamingResponse):
                 audio = await self._next()
             # Free the slot before the client can see the end: one that asks again at once (a stream at a
             # time, at its cap) must not be refused for the stream it just finished.
-            await self._release()
+            await _release(self.watcher, self.events, session)
             if self.sse:
                 await send({"type": "http.response.body", "body": sse_done(*session.usage), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -192,13 +197,7 @@ class SpeechResponse(StreamingResponse):
             elif ctx is not None:
                 ctx.end_response_early()
         finally:
-            await self._release()
-
-    async def _release(self) -> None:
-        """Stop watching, close the events and the session (slot, engine, codec); safe to repeat."""
-        self.watcher.cancel()
-        await self.events.aclose()
-        await self.session.close()
+            await _release(self.watcher, self.events, session)
 
     async def _next(self) -> Audio | None:
         try:

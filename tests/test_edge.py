@@ -27,6 +27,8 @@ from megapod.launcher import free_ports
 
 from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline, body, pending_tasks, serving, settled
 
+SETTLE_S = float(os.environ.get("EDGE_SETTLE_S", "10"))  # how long a left stream may take to release everything
+
 
 async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "") -> socket.socket:
     loop = asyncio.get_running_loop()
@@ -170,7 +172,7 @@ async def test_random_disconnects_release_everything(snac_server, caplog):
                 else:
                     clients.append(leave_while_reading(rng.choice([1, 4096, 30_000, 100_000, 300_000])))
             await asyncio.gather(*clients)
-        readings = await settled(served, snac_server, quiet, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
+        readings = await settled(served, snac_server, quiet, within_s=SETTLE_S)
         assert readings == dict.fromkeys(readings, 0), readings
         assert served.runtime.admission.active == 0
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
@@ -191,7 +193,7 @@ async def test_a_client_gone_while_no_codec_replica_takes_the_call_releases_ever
         await _until(lambda: served.runtime.metrics.registry.get_sample_value("orpheus_frames_total"), within_s=30)
         await asyncio.sleep(0.3)  # the first frames are in the codec stream; its call waits for a replica
         sock.close()
-        readings = await settled(served, snac_server, quiet, within_s=float(os.environ.get("EDGE_SETTLE_S", "10")))
+        readings = await settled(served, snac_server, quiet, within_s=SETTLE_S)
         assert readings == dict.fromkeys(readings, 0), readings
         assert served.outcome("disconnected") == 1
 
