@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -47,22 +48,23 @@ async def test_streaming_equals_one_full_decode(snac_server, stub, per_message, 
     _assert_complete_and_in_order(stream, 17)
 
 
-# The int16 PCM of random_frames(20, seed=2026), noise seed 77, 3 frames a message, recorded over
-# contract v2 (commit 04d3b6d; torch 2.13.0+cpu, random-24khz weights). Contract v3 changed how
-# frames travel, never the audio. A deliberate change to the decoder or its weights re-records these.
-AUDIO_BEFORE_V3 = {
-    "streaming": "de6c1b682437644ed90b5961f70ac2dec075a15cdad8c0be54e7f3f95497921b",
-    "reference": "4cb64d71aee30ee179540d5d5bedf6bb8fda115c20aabdbc80485888352a76cd",
-}
+# The int16 PCM of random_frames(20, seed=2026), noise seed 77, 3 frames a message, per policy, recorded
+# at aa12b63 on an AVX2 EPYC (torch 2.13.0+cpu, random-24khz weights; tests/data/recorded_pcm.npz). A
+# digest of it held only on the CPU that recorded it (issue 23: oneDNN's and ATen's kernels round by ISA);
+# on another CPU a sample moves by at most one s16 step (test_streaming.py measures why), while a change
+# to the decoder, its weights, the noise or the framing moves thousands. Such a change re-records it.
+RECORDED_PCM = Path(__file__).parent / "data" / "recorded_pcm.npz"
 
 
-@pytest.mark.parametrize("policy", list(AUDIO_BEFORE_V3))
-async def test_same_frames_and_seed_give_the_same_pcm_as_before_contract_v3(stub, policy):
+@pytest.mark.parametrize("policy", ["streaming", "reference"])
+async def test_same_frames_and_seed_give_the_recorded_pcm_on_any_cpu(stub, policy):
     header = header_request(77, policy, sample_format=codec_pb2.SAMPLE_FORMAT_S16LE)
     stream = await decode(stub, paced_requests(header, random_frames(20, seed=2026), 3))
-    pcm = b"".join(c.pcm for c in stream.chunks)
-    assert len(pcm) == 20 * FRAME_SAMPLES * 2
-    assert hashlib.sha256(pcm).hexdigest() == AUDIO_BEFORE_V3[policy]
+    pcm = np.frombuffer(b"".join(c.pcm for c in stream.chunks), "<i2").astype(np.int32)
+    recorded = np.load(RECORDED_PCM)[policy].astype(np.int32)
+    assert pcm.shape == recorded.shape == (20 * FRAME_SAMPLES,)
+    assert np.abs(pcm - recorded).max() <= 1, "more than one s16 step from the recording: the audio changed"
+    assert np.abs(recorded).mean() > 100, "a silent recording would make this comparison vacuous"
 
 
 async def test_reference_emits_every_frame(stub):
@@ -221,3 +223,12 @@ async def test_the_startup_heap_is_out_of_the_collectors_sight_once_serving():
         assert gc.get_freeze_count() > 0
     finally:
         await server.stop(grace_s=0)
+
+
+def test_a_replica_decodes_on_the_cpu_threads_it_is_given():
+    """One intra-op thread unless told more: OpenMP steps wait for every thread, and beside busy cores
+    a parked one stalled each step (SnacServerConfig.cpu_threads says what was measured)."""
+    build_server(server_config(metrics_port=-1, max_streams=4, cpu_threads=3))
+    assert torch.get_num_threads() == 3
+    build_server(server_config(metrics_port=-1, max_streams=4))
+    assert torch.get_num_threads() == 1
