@@ -132,6 +132,7 @@ SERVER_CHECKS = {
     "snac.server.dtype": {"enum": list(DTYPES)},
     "snac.server.policy": {"enum": sorted(POLICIES)},
     "snac.server.maxBatch": AT_LEAST_1,
+    "snac.server.cpuThreads": AT_LEAST_1,
     "snac.server.maxStreams": AT_LEAST_1,
     "snac.server.maxWaitMs": AT_LEAST_0,
     "snac.server.maxStepFrames": AT_LEAST_0,

@@ -37,6 +37,11 @@ class SnacServerConfig:
     # big forward's activations leave the cache and each frame costs more. 0: 16 on CPU, no cap on GPU.
     max_step_frames: int = 0
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
+    # PyTorch's intra-op threads for CPU work. A CPU step waits at every OpenMP barrier for all of them,
+    # and one the scheduler parks (busy cores beside the replica, a pod's CPU quota) stalls the step:
+    # with 2 beside two busy processes on 2 cores a step took 20x longer, with 1 no longer (issue 23).
+    # Raise it only where the replica has cores to itself.
+    cpu_threads: int = 1
     # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits.
     frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     policy: str = "streaming"  # default for sessions that do not choose: streaming | reference
@@ -60,6 +65,8 @@ class SnacServerConfig:
             raise ValueError(f"port, metrics_port and health_port {fixed}: each needs a port of its own")
         if self.max_batch < 1 or self.max_streams < 1 or self.max_wait_ms < 0 or self.max_step_frames < 0:
             raise ValueError("max_batch and max_streams must be >= 1, max_wait_ms and max_step_frames >= 0")
+        if self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:

@@ -13,6 +13,7 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -139,6 +140,7 @@ def server_credentials(config: SnacServerConfig) -> grpc.ServerCredentials:
 
 def build_runner(config: SnacServerConfig, metrics: SnacMetrics) -> DecoderRunner:
     """Load the model and the streaming decoder over it, and the runner that steps them."""
+    torch.set_num_threads(config.cpu_threads)  # process-wide: the decode thread's forwards use this pool
     decoder = build_decoder(config.model, config.resolved_device, config.dtype, config.max_batch)
     metrics.decoder_snr_db.set(decoder.snr_db)
     streaming = StreamingDecoder(decoder, num_slots=config.max_streams)
@@ -204,9 +206,9 @@ async def serve(config: SnacServerConfig, runner: DecoderRunner | None = None) -
     server, port = build_server(config, runner)
     await server.start()
     log.info(
-        "snac-server on %s:%d%s (model %s, device %s, dtype %s), metrics on :%s, plaintext health on :%s",
-        config.host, port, _tls_mode(config), config.model, config.resolved_device, config.dtype, server.metrics_port,
-        server.health_port,
+        "snac-server on %s:%d%s (model %s, device %s, dtype %s, torch threads %d), metrics on :%s, plaintext health on :%s",
+        config.host, port, _tls_mode(config), config.model, config.resolved_device, config.dtype, torch.get_num_threads(),
+        server.metrics_port, server.health_port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

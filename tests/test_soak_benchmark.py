@@ -18,7 +18,8 @@ FORMATS = ["pcm", "wav", "mp3", "opus", "aac", "flac"]
 def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(tmp_path):
     out = tmp_path / "soak.json"
     done = subprocess.run([sys.executable, str(BENCHMARK), "--minutes", "0.1", "--concurrency", "1", "--doors", "1",
-                           "--overload", "--overload-rounds", "2", "--replays", "1", "--out", str(out)],
+                           "--overload", "--overload-rounds", "2", "--replays", "1", "--kinds", "short",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
