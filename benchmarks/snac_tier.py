@@ -14,10 +14,13 @@ frames the decoder ran per frame of audio it emitted (the server's own counters:
 
 `--forward-sizes` instead times one decoder forward of ROWS streaming steps of 4 frames, for each
 size side by side, and writes ms per frame by frames per forward (why the CPU runner caps frames
-per forward: snac_server/runner.py CPU_STEP_FRAMES).
+per forward: snac_server/runner.py CPU_STEP_FRAMES). With `--threads` it does so at each intra-op
+thread count, and with `--busy K` again beside K busy loops in a session of their own (why a replica
+runs one thread unless told more: snac_server/config.py cpu_threads).
 
     .venv/bin/python benchmarks/snac_tier.py --quick
     .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,2,4,8,12,48 --device cpu    # ~1 min on 2 cores
+    .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,4 --threads 1,2 --busy 2 --device cpu
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
 from codec_contract.api import codec_pb2, codec_pb2_grpc  # noqa: E402
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SECONDS, POLICIES, final_samples  # noqa: E402
 from codec_contract.client import END_REQUEST, channel, frames_request, header_request  # noqa: E402
+from contention import busy_cores  # noqa: E402
 from provenance import cpu_model, record  # noqa: E402
 from snac_server.codec_model import build_decoder  # noqa: E402
 from snac_server.config import SnacServerConfig  # noqa: E402
@@ -71,6 +75,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="random-24khz")
     p.add_argument("--forward-sizes", default="", metavar="ROWS,ROWS",
                    help="instead: ms per frame of one forward of ROWS steps of 4 frames, each size in turn")
+    p.add_argument("--threads", default="", metavar="N,N",
+                   help="with --forward-sizes: at each of these intra-op thread counts (default: torch's own)")
+    p.add_argument("--busy", type=int, default=0, metavar="K",
+                   help="with --forward-sizes: each size again beside K busy loops in a session of their own")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default benchmarks/results/snac_tier-<device>.json; forward_cost-<device>.json)")
     args = p.parse_args(argv)
@@ -222,16 +230,25 @@ def forward_cost(args: argparse.Namespace) -> dict[str, Any]:
         return round((time.perf_counter() - started) / FORWARD_REPEATS / (rows * STEP_FRAMES) * 1000, 1)
 
     load = os.getloadavg()[0]
-    figures = {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}
+    by_threads: dict[int, dict[str, dict[int, float]]] = {}
+    for threads in [int(x) for x in args.threads.split(",")] if args.threads else [torch.get_num_threads()]:
+        torch.set_num_threads(threads)
+        by_threads[threads] = {"alone": {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}}
+        if args.busy:
+            with busy_cores(args.busy):
+                by_threads[threads][f"beside {args.busy} busy loops"] = {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}
+    figures = next(iter(by_threads.values()))["alone"]
     return {"benchmark": "snac_tier --forward-sizes", "device_type": device, "model": args.model, "dtype": args.dtype,
             "ms_per_frame_by_forward_frames": figures, "cheapest_forward_frames": min(figures, key=figures.get),
-            "load_average_start": round(load, 2), "cores": len(os.sched_getaffinity(0))}
+            "ms_per_frame_by_threads": by_threads, "load_average_start": round(load, 2),
+            "cores": len(os.sched_getaffinity(0))}
 
 
 def summary(result: dict[str, Any]) -> str:
     if "ms_per_frame_by_forward_frames" in result:
-        return "\n".join(f"{frames:4d} frames a forward: {ms:6.1f} ms per frame"
-                         for frames, ms in result["ms_per_frame_by_forward_frames"].items())
+        return "\n".join(f"{threads} threads, {where:18s} {frames:4d} frames a forward: {ms:6.1f} ms per frame"
+                         for threads, runs in result["ms_per_frame_by_threads"].items()
+                         for where, figures in runs.items() for frames, ms in figures.items())
     lines = [f"snac-tier on {result['device']}: {result['streams']} streams x {result['frames_per_stream']} frames"]
     for regime, r in result["regimes"].items():
         s, ref = r["streaming"], r["reference"]

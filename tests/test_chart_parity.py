@@ -457,19 +457,6 @@ def two_workers(tmp_path):
             proc.stop(signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def busy_cores(n: int):
-    """n busy loops in a session of their own (another scheduler autogroup), as other processes on the
-    machine are: the codec replica's share of the cores shrinks."""
-    loops = [Child(f"busy-{i}", [sys.executable, "-c", "while True: pass"], None, own_session=True).start()
-             for i in range(n)]
-    try:
-        yield
-    finally:
-        for loop in loops:
-            loop.stop(signal.SIGKILL)
-
-
 @pytest.mark.parametrize("order, busy", [("endpoints-first", 0), ("stale-dns", 0), ("stale-dns", 2)],
                          ids=["endpoints-first", "stale-dns", "stale-dns-busy-cores"])
 async def test_a_rolling_update_loses_no_stream(two_workers, order: str, busy: int) -> None:
@@ -481,6 +468,8 @@ async def test_a_rolling_update_loses_no_stream(two_workers, order: str, busy: i
     finish, it exits 0, and new streams go to the other worker. busy-cores: the same with the cores
     loaded by other processes (a replica whose OpenMP threads waited on each other there decoded
     twenty times slower, and every stream missed the codec client's stall deadline: issue 23)."""
+    from contention import busy_cores  # here: pytest puts benchmarks/ on the path, this file run as a worker does not
+
     port, procs = two_workers["port"], two_workers["procs"]
     leaving = procs["127.0.0.1"]
     dns = ResolverDouble("127.0.0.1", "127.0.0.2")

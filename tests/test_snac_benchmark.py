@@ -52,3 +52,14 @@ def test_forward_sizes_times_each_size(snac_tier, tmp_path):
     figures = result["ms_per_frame_by_forward_frames"]
     assert list(figures) == [4, 8] and all(ms > 0 for ms in figures.values())
     assert result["cheapest_forward_frames"] in figures
+
+
+def test_forward_sizes_by_threads_alone_and_beside_busy_loops(snac_tier, tmp_path):
+    """--threads and --busy: each thread count timed alone and beside busy loops."""
+    out = tmp_path / "threads.json"
+    result = snac_tier.main(["--forward-sizes", "1", "--threads", "1,2", "--busy", "1", "--device", "cpu", "--out", str(out)])
+    by_threads = json.loads(out.read_text())["ms_per_frame_by_threads"]
+    assert list(by_threads) == ["1", "2"]
+    for runs in by_threads.values():
+        assert list(runs) == ["alone", "beside 1 busy loops"] and all(ms > 0 for f in runs.values() for ms in f.values())
+    assert result["ms_per_frame_by_forward_frames"] == result["ms_per_frame_by_threads"][1]["alone"]
