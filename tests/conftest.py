@@ -1,8 +1,10 @@
-"""Shared fixtures: a real SNAC server on a loopback port, and the decoder it serves."""
+"""Shared fixtures: a real SNAC server on a loopback port, and the decoder it serves; the session's
+`megapod up`."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import pytest_asyncio
 
 from codec_contract.api import codec_pb2_grpc
@@ -41,3 +43,22 @@ async def stub(snac_server):
     """A client stub over a real loopback channel."""
     async with channel(snac_server.address) as ch:
         yield codec_pb2_grpc.SnacCodecStub(ch)
+
+
+@pytest.fixture(scope="session")
+def megapod(tmp_path_factory):
+    """`megapod up` with 2 workers (8 streams each) and 2 codec replicas, as a user runs it: started once
+    for every test that drives the whole stack (vLLM's start is most of a minute on two cores)."""
+    from processes import megapod_up
+
+    with megapod_up(tmp_path_factory.mktemp("megapod-logs"), workers=2, replicas=2, max_streams=8) as up:
+        yield up
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "stops_the_megapod: ends the session's `megapod up`, so it runs after every other test")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked stops_the_megapod end the session's stack: they run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_the_megapod") is not None)  # stable: order kept

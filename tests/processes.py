@@ -77,7 +77,8 @@ def unhang(proc: Child) -> None:
 def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | None = None) -> Iterator[dict]:
     """`megapod up` on free ports (real vLLM on the CPU, random weights), as a user runs it, until its
     front is ready; SIGINT (then SIGKILL of all it started) at the end: the benchmarks' LocalStack.
-    Yields proc (the Popen), log, url and ports (front, workers / snac / metrics: each tier's base port)."""
+    Yields proc (the Popen), log, url, workers and replicas (counts) and ports (front, workers / snac /
+    metrics: each tier's base port)."""
     # Imported here: pytest puts benchmarks/ on the path, test files run as scripts do not.
     from concurrency_bench.stack import LocalStack
 
@@ -91,6 +92,7 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
         stack.wait_ready(420)  # the front serves once every worker and replica is ready
         config = stack.config
         yield {"proc": stack.child.popen, "log": stack.child.log_path, "url": stack.url,
+               "workers": config.workers, "replicas": config.replicas,
                "ports": {"front": config.front_port, "workers": config.worker_base_port,
                          "snac": config.snac_base_port, "metrics": config.snac_metrics_base_port}}
     finally:

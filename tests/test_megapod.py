@@ -1,5 +1,6 @@
-"""`megapod up` end to end: 2 workers and 2 codec replicas as processes, driven through the
-front endpoint with the `openai` SDK and raw HTTP; a replica killed mid-stream; Ctrl-C."""
+"""`megapod up` end to end (the session's, conftest.megapod: 2 workers and 2 codec replicas as processes),
+driven through the front endpoint with the `openai` SDK and raw HTTP; a replica killed mid-stream;
+Ctrl-C, after every other test that uses the stack."""
 
 from __future__ import annotations
 
@@ -18,16 +19,9 @@ import httpx
 import openai
 import pytest
 
-from processes import megapod_up, scrape
+from processes import scrape
 
 from megapod.launcher import Child, free_block, free_ports, probe
-
-
-@pytest.fixture(scope="module")
-def megapod(tmp_path_factory):
-    """`megapod up` with 2 workers and 2 replicas, exactly as a user runs it."""
-    with megapod_up(tmp_path_factory.mktemp("megapod-logs"), workers=2, replicas=2, max_streams=8) as up:
-        yield up
 
 
 def _wav_samples(data: bytes) -> int:
@@ -100,6 +94,7 @@ def test_children_share_the_launchers_session_in_groups_of_their_own(megapod):
         assert os.getpgid(pid) == pid != os.getpgid(megapod["proc"].pid)
 
 
+@pytest.mark.stops_the_megapod
 def test_ctrl_c_stops_everything_within_20_s(megapod):
     text = megapod["log"].read_text()
     children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", text)]

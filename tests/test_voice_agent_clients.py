@@ -1,5 +1,5 @@
-"""The voice-agent frameworks' TTS clients, unchanged, against the real stack (`megapod up`: the front,
-a worker on vLLM, two codec replicas) by the front's base URL: Pipecat's Cartesia, Deepgram and OpenAI services and LiveKit's
+"""The voice-agent frameworks' TTS clients, unchanged, against the real stack (the session's `megapod up`:
+the front, two workers on vLLM, two codec replicas) by the front's base URL: Pipecat's Cartesia, Deepgram and OpenAI services and LiveKit's
 cartesia, deepgram and openai plugins. They live in .venv-clients (client_tests/requirements.txt,
 installed by `make test`): Pipecat pins protobuf<7, this project's grpcio stack needs protobuf>=7.35.
 """
@@ -13,19 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from processes import megapod_up
-
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """`megapod up` on free ports, as a user runs it: the front, a worker, two codec replicas."""
-    with megapod_up(tmp_path_factory.mktemp("client-stack"), workers=1, replicas=2) as up:
-        ports = up["ports"]
-        yield {"front": up["url"], "workers": [f"http://127.0.0.1:{ports['workers']}/metrics"],
-               "replicas": [f"http://127.0.0.1:{ports['metrics'] + j}/metrics" for j in range(2)]}
+def stack(megapod):
+    """The session's `megapod up` (conftest.megapod): its front, and every worker's and replica's metrics."""
+    ports = megapod["ports"]
+    return {"front": megapod["url"],
+            "workers": [f"http://127.0.0.1:{ports['workers'] + i}/metrics" for i in range(megapod["workers"])],
+            "replicas": [f"http://127.0.0.1:{ports['metrics'] + j}/metrics" for j in range(megapod["replicas"])]}
 
 
 def test_the_frameworks_own_clients_work_unchanged(stack):
