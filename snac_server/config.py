@@ -39,8 +39,8 @@ class SnacServerConfig:
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
     # PyTorch's intra-op threads for CPU work. A CPU step waits at every OpenMP barrier for all of them,
     # and one the scheduler parks (busy cores beside the replica, a pod's CPU quota) stalls the step:
-    # with 2 beside two busy processes on 2 cores a step took 20x longer, with 1 no longer (issue 23).
-    # Raise it only where the replica has cores to itself.
+    # beside two busy loops on 2 cores, 2 threads decoded 1.7-2.2x slower than 1 (benchmarks/README.md,
+    # "By intra-op threads"); alone, 1.2-1.5x faster. Raise it only where the replica has cores to itself.
     cpu_threads: int = 1
     # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits.
     frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
