@@ -12,7 +12,7 @@ For each it prints audio-seconds decoded per wall-second, the ratio streaming / 
 frames the decoder ran per frame of audio it emitted (the server's own counters: ~1.0 streaming,
 4.0 reference), and writes JSON.
 
-`--forward-sizes` instead times one decoder forward of ROWS streaming steps of 4 frames, for each
+`--forward-sizes` instead times one decoder forward of ROWS streaming steps of 4 frames (`--step-frames`), for each
 size side by side, and writes ms per frame by frames per forward (why the CPU runner caps frames
 per forward: snac_server/runner.py CPU_STEP_FRAMES). With `--threads` it does so at each intra-op
 thread count, and with `--busy K` again beside K busy loops in a session of their own (why a replica
@@ -21,6 +21,7 @@ runs one thread unless told more: snac_server/config.py cpu_threads).
     .venv/bin/python benchmarks/snac_tier.py --quick
     .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,2,4,8,12,48 --device cpu    # ~1 min on 2 cores
     .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,4 --threads 1,2 --busy 2 --device cpu
+    .venv/bin/python benchmarks/snac_tier.py --forward-sizes 4 --step-frames 1 --threads 1,2 --busy 2 --device cpu
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ QUICK_FRAMES = 48  # per stream, --quick
 DEFAULT_FRAMES = 160
 SEED = 1234
 REGIMES = ("trickle", "unpaced")
-STEP_FRAMES, FORWARD_REPEATS = 4, 3  # --forward-sizes: frames a streaming step, timed forwards a size
+FORWARD_REPEATS = 3  # --forward-sizes: timed forwards a size
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -75,6 +76,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="random-24khz")
     p.add_argument("--forward-sizes", default="", metavar="ROWS,ROWS",
                    help="instead: ms per frame of one forward of ROWS steps of 4 frames, each size in turn")
+    p.add_argument("--step-frames", type=int, default=4,
+                   help="with --forward-sizes: frames a streaming step (1: the trickle of real-time streams)")
     p.add_argument("--threads", default="", metavar="N,N",
                    help="with --forward-sizes: at each of these intra-op thread counts (default: torch's own)")
     p.add_argument("--busy", type=int, default=0, metavar="K",
@@ -216,30 +219,33 @@ def forward_cost(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(x) for x in args.forward_sizes.split(",")]
     device = SnacServerConfig(device=args.device).resolved_device
     decoder = build_decoder(args.model, device, args.dtype, max_batch=max(sizes))
-    runner = DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max(sizes)), max(sizes), (STEP_FRAMES,),
+    runner = DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max(sizes)), max(sizes), (args.step_frames,),
                            cuda_graphs=False, max_step_frames=10_000)
     rng = np.random.default_rng(SEED)
 
     def ms_per_frame(rows: int) -> float:
-        batch = [StreamStep(i, rng.integers(0, CODEBOOK_SIZE, (STEP_FRAMES, CODES_PER_FRAME)).astype(np.int32),
+        batch = [StreamStep(i, rng.integers(0, CODEBOOK_SIZE, (args.step_frames, CODES_PER_FRAME)).astype(np.int32),
                             30 * i, OPEN_END, 1, False) for i in range(rows)]
         runner.decode(batch, lambda *_: None)  # a shape's first call: allocator and oneDNN set-up, not timed
         started = time.perf_counter()
         for _ in range(FORWARD_REPEATS):
             runner.decode(batch, lambda *_: None)
-        return round((time.perf_counter() - started) / FORWARD_REPEATS / (rows * STEP_FRAMES) * 1000, 1)
+        return round((time.perf_counter() - started) / FORWARD_REPEATS / (rows * args.step_frames) * 1000, 1)
+
+    def by_size() -> dict[int, float]:
+        return {rows * args.step_frames: ms_per_frame(rows) for rows in sizes}
 
     load = os.getloadavg()[0]
     by_threads: dict[int, dict[str, dict[int, float]]] = {}
     for threads in [int(x) for x in args.threads.split(",")] if args.threads else [torch.get_num_threads()]:
         torch.set_num_threads(threads)
-        by_threads[threads] = {"alone": {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}}
+        by_threads[threads] = {"alone": by_size()}
         if args.busy:
             with busy_cores(args.busy):
-                by_threads[threads][f"beside {args.busy} busy loops"] = {rows * STEP_FRAMES: ms_per_frame(rows) for rows in sizes}
+                by_threads[threads][f"beside {args.busy} busy loops"] = by_size()
     figures = next(iter(by_threads.values()))["alone"]
     return {"benchmark": "snac_tier --forward-sizes", "device_type": device, "model": args.model, "dtype": args.dtype,
-            "ms_per_frame_by_forward_frames": figures, "cheapest_forward_frames": min(figures, key=figures.get),
+            "step_frames": args.step_frames, "ms_per_frame_by_forward_frames": figures, "cheapest_forward_frames": min(figures, key=figures.get),
             "ms_per_frame_by_threads": by_threads, "load_average_start": round(load, 2),
             "cores": len(os.sched_getaffinity(0))}
 

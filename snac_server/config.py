@@ -38,7 +38,7 @@ class SnacServerConfig:
     max_step_frames: int = 0
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
     # PyTorch's intra-op threads for CPU work. A CPU step waits at every OpenMP barrier for all of them,
-    # and one the scheduler parks (busy cores beside the replica, a pod's CPU quota) stalls the step:
+    # and one the scheduler parks (other processes busy on the replica's cores) stalls the step:
     # beside two busy loops on 2 cores, 2 threads decoded 1.7-2.2x slower than 1 (benchmarks/README.md,
     # "By intra-op threads"); alone, 1.2-1.5x faster. Raise it only where the replica has cores to itself.
     cpu_threads: int = 1

@@ -465,9 +465,9 @@ async def test_a_rolling_update_loses_no_stream(two_workers, order: str, busy: i
     endpoint delay), then SIGTERM drains it. stale-dns: SIGTERM while the front still resolves it (a
     DNS cache older than the delay); its closed listener refuses, and the front tries the next worker.
     Either way every stream succeeds with all its audio, the streams in flight on the leaving worker
-    finish, it exits 0, and new streams go to the other worker. busy-cores: the same with the cores
-    loaded by other processes (a replica whose OpenMP threads waited on each other there decoded
-    twenty times slower, and every stream missed the codec client's stall deadline: issue 23)."""
+    finish, it exits 0, and new streams go to the other worker. busy-cores: the same beside two busy
+    loops in sessions of their own (issue 23: a load sent at a fixed rate failed so; the replica's share
+    of the cores decoded less than the rate, and streams waited past the codec client's stall deadline)."""
     from contention import busy_cores  # here: pytest puts benchmarks/ on the path, this file run as a worker does not
 
     port, procs = two_workers["port"], two_workers["procs"]

@@ -17,7 +17,8 @@ from conftest import random_frames, server_config
 from codec_contract.api import codec_pb2
 from codec_contract.client import END_REQUEST, decode, frames_request, header_request, paced_requests
 from codec_contract.audio import FRAME_SAMPLES
-from snac_server.server import build_server
+from snac_server.metrics import SnacMetrics
+from snac_server.server import build_runner, build_server
 
 
 async def _decode(stub, frames, seed=1, policy="streaming", per_message=1, interval=0.0, **header):
@@ -228,7 +229,7 @@ async def test_the_startup_heap_is_out_of_the_collectors_sight_once_serving():
 def test_a_replica_decodes_on_the_cpu_threads_it_is_given():
     """One intra-op thread unless told more: OpenMP steps wait for every thread, and beside busy cores
     a parked one stalled each step (SnacServerConfig.cpu_threads says what was measured)."""
-    build_server(server_config(metrics_port=-1, max_streams=4, cpu_threads=3))
+    build_runner(server_config(max_streams=4, cpu_threads=3), SnacMetrics())
     assert torch.get_num_threads() == 3
-    build_server(server_config(metrics_port=-1, max_streams=4))
+    build_runner(server_config(max_streams=4), SnacMetrics())
     assert torch.get_num_threads() == 1

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from codec_contract.api import codec_pb2
 from codec_contract.audio import FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, STREAMING_DELAY_SAMPLES
 from conftest import random_frames
 from megapod.sync_detector import host_syncs
 from snac_server.codec_model import build_decoder
 from snac_server.noise import fold_seed
+from snac_server.service import encode_pcm
 from snac_server.streaming import OPEN_END, StreamingDecoder, flush_frames
 
 TOLERANCE = 1e-4
@@ -161,7 +163,7 @@ S16_STEP = 1.0 / 32767
 
 
 def stepped_audio(streaming: StreamingDecoder, slot: int) -> np.ndarray:
-    """One stream stepped 1, 2, 4 and 8 frames at a time (every bucket), beside a second stream."""
+    """One stream stepped 1, 2, 4, 8 and 3 frames at a time (the last carries the flush), beside a second."""
     stream = Stream(random_frames(15, seed=2026), seed=77, slot=slot)
     company = Stream(random_frames(15, seed=7), seed=8, slot=(slot + 1) % SLOTS)
     for n in (1, 2, 4, 8, 3):
@@ -170,7 +172,8 @@ def stepped_audio(streaming: StreamingDecoder, slot: int) -> np.ndarray:
 
 
 def s16(audio: np.ndarray) -> np.ndarray:
-    return np.round(np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
+    """As a replica sends it (snac_server.service.encode_pcm)."""
+    return np.frombuffer(encode_pcm(audio, codec_pb2.SAMPLE_FORMAT_S16LE), "<i2")
 
 
 def test_the_same_steps_give_the_same_bytes_in_any_slot(streaming):
@@ -180,8 +183,9 @@ def test_the_same_steps_give_the_same_bytes_in_any_slot(streaming):
 def _audio_in_a_fresh_process(tmp_path, env: dict[str, str]) -> np.ndarray:
     out = tmp_path / "audio.npy"
     # As many intra-op threads as here: how oneDNN splits a convolution across threads can round differently.
-    done = subprocess.run([sys.executable, __file__, str(out), str(torch.get_num_threads())], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env}, cwd=Path(__file__).parent)
+    argv = [sys.executable, __file__, str(out), str(torch.get_num_threads())]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+                          cwd=Path(__file__).parent)
     assert done.returncode == 0, done.stderr[-3000:]
     return np.load(out)
 
