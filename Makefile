@@ -15,7 +15,7 @@ CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 ENGINE_STAMP  := $(VENV)/.container-engine
 
-.PHONY: serve test install proto clean test-images
+.PHONY: serve test install proto clean test-images gpu-kit
 
 install: $(STAMP) $(CLIENTS_STAMP)
 
@@ -68,3 +68,15 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(CLIENTS) build *.egg-info
+
+# The GPU kit: the codec tier's wheels a bare GPU node (CPython 3.12, x86-64, torch but no snac and no
+# network) lacks, into .gpu-kit/ (git-ignored; it travels with the checkout). There, one command:
+# deploy/gpu/first_contact.sh OUT_DIR (README, "On a GPU").
+GPU_KIT := .gpu-kit
+gpu-kit: $(STAMP)
+	rm -rf $(GPU_KIT) && mkdir -p $(GPU_KIT)
+	$(BIN)/python -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform any -d $(GPU_KIT) -r deploy/gpu/kit-requirements.txt
+	@du -sh $(GPU_KIT) | sed 's/\t.*/ in $(GPU_KIT)\/:/'; ls $(GPU_KIT)

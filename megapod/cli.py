@@ -1,90 +1,17 @@
 """The `megapod` command: `up` runs a MegaPod here, `deploy` puts one on Kubernetes, `say` speaks through one,
 `doctor` checks a machine (its GPU, if it has one) and says how many streams it carries, `front` runs the
-front endpoint alone (the chart's front pods)."""
+front endpoint alone (the chart's front pods).
+
+Each subcommand imports what it needs when it runs: `megapod doctor --codec-only` must work on a GPU node
+that has torch and the codec tier but no web stack or vLLM."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
-from pathlib import Path
-
-import uvicorn
-
-from .front import create_front_app, front_config_from_cli, serve_front
-from .gpu_layout import GpuLayoutError
-from .launcher import Launcher
-from .say import say
-from .topology import MegaPodConfig, megapod_config_from_cli
-
-log = logging.getLogger("megapod")
-
-RANDOM_WEIGHTS_BANNER = """
-  ************************************************************************************
-  *  RANDOM WEIGHTS: the LLM is `tiny` and/or SNAC is `random-24khz`. The stack runs  *
-  *  end to end, but the audio is noise. Give real checkpoints for real speech:       *
-  *    megapod up --llm-model canopylabs/orpheus-3b-0.1-ft \\                          *
-  *               --snac-model hubertsiuzdak/snac_24khz   (or MEGAPOD_LLM_MODEL=...)  *
-  ************************************************************************************
-"""
-
-
-class _FrontServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the launcher decides when to stop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-def log_dir() -> Path:
-    return Path(os.environ.get("MEGAPOD_LOG_DIR", Path.home() / ".cache" / "orpheus-megapod" / "logs"))
-
-
-async def up(config: MegaPodConfig) -> None:
-    """Start the MegaPod, serve the front endpoint, supervise; drain and stop on SIGINT/SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if config.random_weights:
-        print(RANDOM_WEIGHTS_BANNER, file=sys.stderr, flush=True)
-    launcher = Launcher(config, log_dir())
-    front = _FrontServer(uvicorn.Config(
-        create_front_app([f"http://{config.host}:{p}" for p in config.worker_ports()]),
-        host=config.host, port=config.front_port, log_level="warning",
-        timeout_graceful_shutdown=int(config.grace_s),  # the drain budget of every tier
-    ))
-    try:
-        starting = asyncio.create_task(launcher.start())
-        await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            return
-        starting.result()
-        serving = asyncio.create_task(front.serve())
-        _print_endpoints(config)
-        await launcher.supervise(stop)
-        front.should_exit = True
-        await serving
-    finally:
-        log.info("stopping: draining workers, then codec replicas")
-        await launcher.stop()
-
-
-def _print_endpoints(config: MegaPodConfig) -> None:
-    front = f"http://{config.host}:{config.front_port}"
-    print(f"\nMegaPod ready: {config.workers} worker(s), {config.replicas} SNAC replica(s)", file=sys.stderr)
-    print(f"  endpoint   {front}/v1/audio/speech   (OpenAI-compatible; least-active worker)", file=sys.stderr)
-    for port in config.worker_ports():
-        print(f"  worker     http://{config.host}:{port}", file=sys.stderr)
-    for port in config.snac_ports():
-        print(f"  snac       {config.host}:{port} (gRPC)", file=sys.stderr)
-    print('  try        megapod say "Hello there." --voice tara -o hello.wav\n', file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,12 +33,18 @@ def main(argv: list[str] | None = None) -> None:
     speak.add_argument("--endpoint", default=os.environ.get("MEGAPOD_ENDPOINT", "http://127.0.0.1:8000"))
     speak.add_argument("--seed", type=int, default=None)
     if argv and argv[0] == "up":
+        from .gpu_layout import GpuLayoutError
+        from .topology import megapod_config_from_cli
+        from .up import up
+
         try:
             asyncio.run(up(megapod_config_from_cli(argv[1:])))
         except GpuLayoutError as exc:
             sys.exit(f"megapod up: {exc}")
         return
     if argv and argv[0] == "front":
+        from .front import front_config_from_cli, serve_front
+
         serve_front(front_config_from_cli(argv[1:]))
         return
     if argv and argv[0] == "doctor":
@@ -130,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _say(args: argparse.Namespace) -> None:
+    from .say import say
+
     to_stdout = args.output == "-"
     fmt = "pcm" if to_stdout or args.output.endswith(".pcm") else "wav"
     try:

@@ -14,9 +14,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .topology import MegaPodConfig
 
-# A GPU shared by LLM workers and codec replicas keeps this much for the replicas (SNAC's
-# weights, graphs and per-stream state take a few GB at most).
-CODEC_SHARE = 0.1
+# What one codec replica with snac-server's defaults (max_batch 32, 1,024 stream slots) held on its GPU,
+# CUDA context included, serving: 1,891 MiB on an H200 (benchmarks/results/gpu-first-contact-h200.json,
+# codec_replica_serves.memory.process_gpu_mib). A larger max_batch needs more: the doctor's
+# codec_warm_up.graph_pool_mib says how much (3,956 MiB of graphs at 256).
+REPLICA_GPU_MIB = 1891
+SMALLEST_GPU_MIB = 81559  # an H100 80 GB, the smallest GPU a MegaPod is laid out for: shares are of it
+
+
+def codec_share(replicas: int) -> float:
+    """The share of a GPU that `replicas` codec replicas hold (measured, on the smallest GPU)."""
+    return replicas * REPLICA_GPU_MIB / SMALLEST_GPU_MIB
 
 
 class GpuLayoutError(ValueError):
@@ -35,6 +43,10 @@ class GpuLayout:
 
     def codec_env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": str(self.codec)} if self.codec is not None else {}
+
+    def worker_shares_codec_gpu(self, i: int) -> bool:
+        """Whether worker i runs on the GPU that holds the codec replicas."""
+        return bool(self.workers) and self.codec is not None and self.workers[i] == self.codec
 
 
 def _indices(text: str, what: str) -> tuple[int, ...]:
@@ -69,13 +81,14 @@ def plan_gpus(config: MegaPodConfig, gpu_count: int) -> GpuLayout:
     missing = sorted({g for g in used if not 0 <= g < gpu_count})
     if missing:
         raise GpuLayoutError(f"GPU(s) {missing} requested but this machine has {gpu_count} (0..{gpu_count - 1})")
+    share = codec_share(config.replicas)
     for gpu in sorted(set(used)):
-        claimed = utilization * chosen.count(gpu) + (CODEC_SHARE if gpu == codec else 0.0)
+        claimed = utilization * chosen.count(gpu) + (share if gpu == codec else 0.0)
         if claimed > 1.0 + 1e-9:
             who = [f"worker {i}" for i, g in enumerate(chosen) if g == gpu] + (["the codec replicas"] if gpu == codec else [])
             raise GpuLayoutError(
                 f"GPU {gpu} would be oversubscribed: {', '.join(who)} claim {claimed:.0%} of its memory "
-                f"(gpu_memory_utilization {utilization} per worker, {CODEC_SHARE:.0%} for the codec). "
+                f"(gpu_memory_utilization {utilization} per worker, {share:.1%} for {config.replicas} codec replica(s)). "
                 "Run fewer workers, give each its own GPU (--llm-gpus), or lower --llm-gpu-memory-utilization."
             )
     return GpuLayout(chosen, codec)

@@ -1,8 +1,9 @@
 """`megapod up`: the MegaPod's processes on one machine, supervised.
 
 Starts M snac-server replicas and N llm-server workers as child processes (each worker its
-own engine), waits until every one is ready, restarts any that dies, and on stop drains the
-workers first (their streams finish) and then the replicas.
+own engine; a worker on the replicas' GPU once they are ready), waits until every one is ready,
+restarts any that dies, and on stop drains the workers first (their streams finish) and then the
+replicas.
 
 `Child` and `free_ports`/`free_block` are also how the tests and benchmarks start servers: one launcher.
 """
@@ -198,7 +199,7 @@ class Launcher:
 
     def __init__(self, config: MegaPodConfig, log_dir: Path, gpu_count: int | None = None) -> None:
         self.config = config
-        layout = plan_gpus(config, visible_gpus(config) if gpu_count is None else gpu_count)
+        self.layout = layout = plan_gpus(config, visible_gpus(config) if gpu_count is None else gpu_count)
         python = sys.executable
         self.replicas = [
             Child(f"snac-{j}", [python, "-m", "snac_server", *config.snac_args(j)], log_dir / f"snac-{j}.log",
@@ -217,11 +218,30 @@ class Launcher:
         return [*self.replicas, *self.workers]
 
     async def start(self, timeout_s: float = 600.0) -> None:
-        """Start everything and wait until every process is ready."""
-        for child in self.children:
+        """Start everything and wait until every process is ready, within timeout_s in all.
+
+        A worker on the codec replicas' GPU starts only once every replica is ready: a replica's CUDA
+        Graph capture empties its caching allocator, so that GPU's free memory grows while vLLM
+        profiles memory at start-up, and vLLM fails when it does ("Error in memory profiling").
+        Everything else (workers on GPUs of their own, a MegaPod on CPU) starts at once.
+        """
+        deadline = time.monotonic() + timeout_s
+        beside_codec, alone = [], []
+        for i, worker in enumerate(self.workers):
+            (beside_codec if self.layout.worker_shares_codec_gpu(i) else alone).append(worker)
+        self._start([*self.replicas, *alone])
+        if not beside_codec:
+            await self.wait_ready(self.children, timeout_s)
+            return
+        await self.wait_ready(self.replicas, deadline - time.monotonic())
+        self._start(beside_codec)
+        await self.wait_ready([*alone, *beside_codec], deadline - time.monotonic())
+
+    @staticmethod
+    def _start(children: list[Child]) -> None:
+        for child in children:
             child.start()
             log.info("started %s (pid %d), log %s", child.name, child.pid, child.log_path)
-        await self.wait_ready(self.children, timeout_s)
 
     async def wait_ready(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

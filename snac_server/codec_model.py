@@ -118,7 +118,16 @@ def use_exact_fp32() -> None:
     cuDNN runs fp32 convolutions in TF32 by default (10 mantissa bits): the same codes would then
     decode differently by batch shape, by more than one s16 step. With IEEE fp32 the remaining
     differences (the algorithm cuDNN picks per shape) stay within one s16 step.
+
+    The legacy flags are turned off first, so that the legacy getters still answer (False) after the
+    new API is set: `torch.backends.cudnn.allow_tf32` (torch.compile's conv lowering reads it) raises
+    unless conv's and rnn's precisions agree with a legacy cuDNN flag that only its own setter clears
+    (it stays True whatever the new API says), and `torch.backends.cuda.matmul.allow_tf32` likewise
+    checks the new matmul precision against the legacy matmul precision ("high" under
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1).
     """
+    torch.backends.cudnn.allow_tf32 = False  # legacy flag off; conv and rnn both become not-TF32
+    torch.set_float32_matmul_precision("highest")  # legacy matmul precision: no TF32
     torch.backends.cudnn.conv.fp32_precision = "ieee"
     torch.backends.cuda.matmul.fp32_precision = "ieee"
 

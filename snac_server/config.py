@@ -33,8 +33,9 @@ class SnacServerConfig:
     dtype: str = "float32"
     max_batch: int = 32  # rows per decode step
     max_wait_ms: float = 5.0  # how long the first row of a step waits for company
-    # Frames (rows x frames per row) per eager forward; a step's rows are split above it. On CPU a
-    # big forward's activations leave the cache and each frame costs more. 0: 16 on CPU, no cap on GPU.
+    # Frames (rows x frames per row) per forward; a step's rows are split above it. On CPU a big
+    # forward's activations leave the cache and each frame costs more; on GPU a graph's memory grows
+    # with its frames. 0: 16 on CPU, max_batch on GPU (a full step of 1-frame rows).
     max_step_frames: int = 0
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
     # PyTorch's intra-op threads for CPU work. A CPU step waits at every OpenMP barrier for all of them,

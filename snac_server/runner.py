@@ -41,6 +41,14 @@ def batch_ladder(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: a bare `cuda` (what users write) is the current GPU of the calling
+    thread, which torch.cuda.set_device cannot take (it wants an index) and a new thread would read as 0."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class _Graph:
     """One captured forward of a fixed batch size and its static input buffers."""
 
@@ -74,15 +82,20 @@ class DecoderRunner:
                  cuda_graphs: bool, max_step_frames: int = 0) -> None:
         self.full = full
         self.streaming = streaming
-        self.device = full.device
+        self.device = indexed(full.device)
         self.max_batch = max_batch
         self.frame_buckets = tuple(sorted(frame_buckets))
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         if max_step_frames == 0:
-            max_step_frames = CPU_STEP_FRAMES if self.device.type == "cpu" else 0
+            # On a GPU a forward holds at most a full step of 1-frame rows: a graph's memory grows with its
+            # frames (~12 MiB a frame in fp32), and the pool of a 256-row step of 16-frame rows was 52 GiB
+            # on an H200 (benchmarks/results/gpu-first-contact-h200-run1.json). A backlog of 16 frames
+            # catches up in max_batch // 16 rows a forward instead.
+            max_step_frames = CPU_STEP_FRAMES if self.device.type == "cpu" else max_batch
         self.max_step_frames = max_step_frames
         self.batch_sizes = batch_ladder(max_batch)
         self._graphs: dict[tuple[str, int, int], _Graph] = {}
+        self._ladders: dict[int, tuple[int, ...]] = {}  # frames per row -> the batch sizes captured (graph_ladders)
 
     def bind_thread(self) -> None:
         """Make the calling thread's current CUDA device the decoder's (the decode thread calls this).
@@ -101,14 +114,20 @@ class DecoderRunner:
                 self._forward(kind, n, self._example(kind, 1, n))
             return
         pool = torch.cuda.graph_pool_handle()
+        self._ladders = self.graph_ladders()
         # Largest first, so smaller graphs reuse the memory pool the largest one sized.
         for kind, n in sorted(shapes, key=lambda s: -s[1]):
-            for batch in reversed(self.batch_sizes):
+            for batch in reversed(self._ladders[n]):
                 inputs = [t.to(self.device) for t in self._example(kind, batch, n)]
                 pad = [self.streaming.num_slots, 0, 0, OPEN_END, 0, 1] if kind == "step" else [0, 0, 0]
                 self._graphs[(kind, batch, n)] = _Graph(self._model(kind), inputs, pad, pool)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs", len(self._graphs))
+
+    def graph_ladders(self) -> dict[int, tuple[int, ...]]:
+        """Frames per row (each bucket, and the reference window) -> the batch sizes to capture for it:
+        up to rows_per_forward, as decode never gives a forward more rows."""
+        return {n: batch_ladder(self.rows_per_forward(n)) for n in (*self.frame_buckets, REFERENCE_WINDOW)}
 
     def rows_per_forward(self, frames: int) -> int:
         """How many rows of `frames` frames one forward takes: max_batch, or fewer under max_step_frames."""
@@ -136,8 +155,9 @@ class DecoderRunner:
     def _forward(self, kind: str, n: int, args: list[torch.Tensor]) -> torch.Tensor:
         b = args[0].shape[0]
         if self.use_graphs:
-            i = bisect.bisect_left(self.batch_sizes, b)
-            graph = self._graphs.get((kind, self.batch_sizes[i], n)) if i < len(self.batch_sizes) else None
+            ladder = self._ladders.get(n, ())
+            i = bisect.bisect_left(ladder, b)
+            graph = self._graphs.get((kind, ladder[i], n)) if i < len(ladder) else None
             if graph is not None:
                 return graph.run(args)
         return self._model(kind)(*(t.to(self.device, non_blocking=True) for t in args))

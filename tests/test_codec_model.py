@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +22,8 @@ from snac_server.codec_model import (
     check_half_precision, load_snac,
 )
 from snac_server.frames import FRAME_SAMPLES, frames_to_levels
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _silence_noise(snac: SNAC) -> None:
@@ -86,6 +92,31 @@ def test_float32_means_ieee_float32_on_gpus():
     build_decoder("random-24khz", "cpu", "float32", 1)
     assert torch.backends.cudnn.conv.fp32_precision == "ieee"
     assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+@pytest.mark.parametrize("cublas_override", [None, "1"])
+def test_exact_fp32_leaves_the_legacy_tf32_flags_readable(cublas_override):
+    """torch.compile's conv lowering reads torch.backends.cudnn.allow_tf32: after use_exact_fp32 it
+    must read False, not raise for a mix of the legacy and new TF32 APIs. The flags are process-global
+    (this process's tests set them), so a fresh interpreter checks them; TORCH_ALLOW_TF32_CUBLAS_OVERRIDE
+    starts the legacy matmul precision at "high", which the new matmul setting alone would contradict."""
+    flags = ["cudnn.allow_tf32", "cuda.matmul.allow_tf32", "cudnn.conv.fp32_precision", "cuda.matmul.fp32_precision"]
+    script = (  # each flag's value, or the name of the error reading it raised
+        "import torch\n"
+        "from snac_server.codec_model import use_exact_fp32\n"
+        "use_exact_fp32()\n"
+        f"for flag in {flags!r}:\n"
+        "    try:\n"
+        "        print(eval('torch.backends.' + flag))\n"
+        "    except RuntimeError as exc:\n"
+        "        print(type(exc).__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"}
+    if cublas_override:
+        env["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] = cublas_override
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert dict(zip(flags, run.stdout.split())) == dict(zip(flags, ["False", "False", "ieee", "ieee"]))
 
 
 def test_a_stream_decodes_alike_alone_and_in_a_batch_within_one_s16_step():

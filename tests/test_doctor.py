@@ -9,18 +9,18 @@ import subprocess
 import sys
 
 import pytest
-
-from megapod.doctor.llm import STEP_BUDGET_MS, realtime_streams
 from processes import TINY_CACHE
 
-CHECKS = {"codec_warm_up", "codec_streaming_equals_full_decode", "codec_step_never_syncs", "llm_engine_starts",
-          "llm_frame_constraint"}
+from megapod.doctor.llm import STEP_BUDGET_MS, realtime_streams
+
+CHECKS = {"codec_warm_up", "codec_graph_equals_eager", "codec_streaming_equals_full_decode", "codec_step_never_syncs",
+          "codec_replica_serves", "llm_engine_starts", "llm_frame_constraint"}
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("doctor") / "doctor.json"
-    done = subprocess.run([sys.executable, "-m", "megapod", "doctor", "--device", "cpu", "--quick", "-o", str(out),
+    done = subprocess.run([sys.executable, "-m", "megapod", "doctor", "--device", "cpu", "--quick", "--max-batch", "2", "-o", str(out),
                            "--cache-dir", TINY_CACHE], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -34,12 +34,9 @@ def test_every_check_ran_and_passed(report):
     assert report["ok"] and report["advice"] == []
 
 
-def test_the_codec_checks_measured_something(report):
-    streamed = report["checks"]["codec_streaming_equals_full_decode"]
-    assert 0 < max(streamed["max_abs_diff"].values()) <= streamed["tolerance"]
-    codec = report["figures"]["codec"]
-    assert set(codec["audio_s_per_s"]) == {"1", "8"} and all(v > 0 for v in codec["audio_s_per_s"].values())
-    assert 30 < codec["half_precision_snr_db"]["bfloat16"] < 50
+def test_the_codec_part_ran_before_the_llm_part(report):
+    """The codec checks' own fields are held by test_gpu_kit.py (the codec-only doctor); here, they ran too."""
+    assert report["figures"]["realtime_streams_per_codec_gpu"] == report["figures"]["codec"]["float32"]["streaming"]["realtime_streams"] > 0
 
 
 def test_the_llm_checks_ran_the_worker_engine(report):
@@ -51,7 +48,7 @@ def test_the_llm_checks_ran_the_worker_engine(report):
 
 
 def test_on_cpu_gpu_only_parts_say_so(report):
-    assert report["attention"]["trtllm_on_off"].startswith("not applicable on CPU")
+    assert report["attention"]["note"].startswith("not applicable on CPU") and report["attention"]["comparisons"] == []
     assert "GPU figures need a GPU" in report["note"]
     assert report["checks"]["codec_warm_up"]["cuda_graphs"] == 0
 

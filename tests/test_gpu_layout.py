@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megapod.gpu_layout import GpuLayoutError, plan_gpus
+from megapod.gpu_layout import GpuLayoutError, codec_share, plan_gpus
 from megapod.launcher import Launcher
 from megapod.topology import MegaPodConfig
 
@@ -46,7 +46,8 @@ def test_workers_may_share_a_gpu_when_their_shares_fit():
 @pytest.mark.parametrize("changes, message", [
     (dict(workers=2, llm_gpus="0,5"), r"GPU\(s\) \[5\] requested but this machine has 4"),
     (dict(workers=2, llm_gpus="0"), "names 1 GPUs for 2 workers"),
-    (dict(workers=1, snac_gpu="0", llm_gpu_memory_utilization=0.95), "GPU 0 would be oversubscribed: worker 0, the codec"),
+    # 97% for vLLM and 2 x 1,891 MiB (4.6% of an H100) for the replicas: 101.6%
+    (dict(workers=1, replicas=2, snac_gpu="0", llm_gpu_memory_utilization=0.97), "GPU 0 would be oversubscribed: worker 0, the codec"),
 ])
 def test_impossible_layouts_name_the_problem(changes, message):
     with pytest.raises(GpuLayoutError, match=message):
@@ -66,3 +67,62 @@ def test_workers_on_gpus_with_the_codec_on_cpu():
 def test_every_worker_gets_its_memory_share_as_a_flag():
     args = MegaPodConfig(llm_gpu_memory_utilization=0.8).worker_args(0)
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.8"
+
+
+class StubChild:
+    """A test double for launcher.Child: records when it starts and when it first probes ready,
+    becoming ready on its second probe (so a start that waits for it is visible in the record)."""
+
+    def __init__(self, name: str, record: list[str]) -> None:
+        self.name, self.record = name, record
+        self.pid, self.log_path, self.started_at, self.probes = 0, None, 0.0, 0
+
+    def start(self) -> StubChild:
+        self.record.append(f"start {self.name}")
+        return self
+
+    def ready(self) -> bool:
+        self.probes += 1
+        if self.probes == 2:
+            self.record.append(f"ready {self.name}")
+        return self.probes >= 2
+
+
+def _stubbed(launcher: Launcher) -> list[str]:
+    """Swap the launcher's processes for StubChilds; returns the record they write."""
+    record: list[str] = []
+    launcher.replicas = [StubChild(c.name, record) for c in launcher.replicas]
+    launcher.workers = [StubChild(c.name, record) for c in launcher.workers]
+    return record
+
+
+async def test_a_worker_on_the_codec_gpu_starts_once_the_replicas_are_ready(tmp_path: Path):
+    """Replicas capturing CUDA Graphs free cached memory while a worker beside them profiles its
+    GPU's memory, which vLLM refuses; a worker on a GPU of its own has nothing to wait for."""
+    launcher = Launcher(MegaPodConfig(workers=2, replicas=2), tmp_path, gpu_count=2)
+    # llm-1 shares GPU 1 with the codec replicas; llm-0 has GPU 0 to itself
+    assert (_visible(launcher.workers), _visible(launcher.replicas)) == (["0", "1"], ["1", "1"])
+    record = _stubbed(launcher)
+    await launcher.start(timeout_s=30)
+    replicas_ready = max(record.index("ready snac-0"), record.index("ready snac-1"))
+    assert record.index("start llm-1") > replicas_ready, record
+    assert record.index("start llm-0") < min(record.index("ready snac-0"), record.index("ready snac-1")), record
+    assert "ready llm-0" in record and "ready llm-1" in record
+
+
+async def test_a_cpu_megapod_starts_every_process_at_once(tmp_path: Path):
+    config = MegaPodConfig(workers=2, replicas=2, llm_device="cpu", snac_device="cpu")
+    launcher = Launcher(config, tmp_path, gpu_count=0)
+    record = _stubbed(launcher)
+    await launcher.start(timeout_s=30)
+    assert record[:4] == ["start snac-0", "start snac-1", "start llm-0", "start llm-1"], record
+
+
+def test_the_codec_share_is_what_its_replicas_were_measured_to_hold():
+    """Not a flat guess (it was 10% for any number of replicas): 3 replicas at snac-server's defaults held
+    3 x 1,891 MiB on a GPU, 7.0% of an H100; 6 of them would not fit beside a worker at 0.9."""
+    assert codec_share(3) == pytest.approx(3 * 1891 / 81559)
+    plan_gpus(MegaPodConfig(workers=1, replicas=3, snac_gpu="0"), gpu_count=1)  # 90% + 7.0%: fits
+    with pytest.raises(GpuLayoutError, match=r"13\.9% for 6 codec replica"):
+        plan_gpus(MegaPodConfig(workers=1, replicas=6, snac_gpu="0"), gpu_count=1)
+

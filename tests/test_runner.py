@@ -113,16 +113,34 @@ async def test_a_step_that_raises_fails_only_the_row_that_caused_it(decoder, str
         np.testing.assert_allclose(results[i], expected[i], atol=1e-6)
 
 
-def test_the_decode_thread_makes_the_decoders_gpu_its_current_device(monkeypatch):
+@pytest.mark.parametrize("device, main_threads_gpu, bound_to", [("cuda:1", 0, 1), ("cuda", 0, 0), ("cuda", 2, 2)])
+def test_the_decode_thread_makes_the_decoders_gpu_its_current_device(monkeypatch, device, main_threads_gpu, bound_to):
     """On cuda:N the decode thread must not run on device 0 (a new thread's default): streams,
-    graph capture and the memory pool all follow the current device."""
-    bound: list[tuple[str, torch.device]] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append((threading.current_thread().name, torch.device(d))))
-    on_gpu_1 = SimpleNamespace(device=torch.device("cuda", 1))  # test doubles: a decoder placed on cuda:1...
-    runner = DecoderRunner(on_gpu_1, SimpleNamespace(num_slots=1), max_batch=1, frame_buckets=BUCKETS, cuda_graphs=True)
+    graph capture and the memory pool all follow the current device. A bare `cuda` (what every entry
+    point passes) is the GPU current where the runner is built; torch.cuda.set_device's own argument
+    check runs (it refuses an index-less device), only the driver call is recorded."""
+    bound: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", lambda i: bound.append((threading.current_thread().name, i)),
+                        raising=False)  # a CPU build has no CUDA bindings: the recorder stands in for the driver call
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: main_threads_gpu)
+    on_gpu = SimpleNamespace(device=torch.device(device))  # test doubles: a decoder placed on `device`...
+    runner = DecoderRunner(on_gpu, SimpleNamespace(num_slots=1), max_batch=1, frame_buckets=BUCKETS, cuda_graphs=True)
     monkeypatch.setattr(runner, "warm_up", lambda: None)
     batcher = MicroBatcher(runner, 1, 0.0, SnacMetrics())
     batcher.start()
     batcher.wait_ready()
     batcher.stop()
-    assert bound == [("snac-decode", torch.device("cuda", 1))]
+    assert bound == [("snac-decode", bound_to)]
+
+
+def test_on_a_gpu_no_graph_holds_more_frames_than_a_full_step_of_one_frame_rows(monkeypatch):
+    """A graph's memory grows with its frames: capturing 256 rows of 16 frames took a 52 GiB pool on an
+    H200 (benchmarks/results/gpu-first-contact-h200-run1.json). On a GPU a forward holds at most
+    max_batch frames, and only the batch sizes decode can send a shape are captured."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # test double: a decoder placed on a GPU
+    runner = DecoderRunner(on_gpu, SimpleNamespace(num_slots=256), max_batch=256, frame_buckets=BUCKETS, cuda_graphs=True)
+    ladders = runner.graph_ladders()
+    assert runner.max_step_frames == 256 and set(ladders) == {1, 2, 4, 8, 16}
+    assert {n: max(sizes) for n, sizes in ladders.items()} == {1: 256, 2: 128, 4: 64, 8: 32, 16: 16}
+    assert max(n * max(sizes) for n, sizes in ladders.items()) == 256

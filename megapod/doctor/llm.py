@@ -1,17 +1,28 @@
 """The doctor's LLM-tier checks: vLLM on this machine, frame-constrained, and how fast it steps.
 
 On a GPU the engine runs the Orpheus 3B architecture (its config ships here, weights are vLLM's
-`dummy` random ones: nothing is downloaded) with the worker's own engine adapter and attention
-settings; on CPU the tiny model. Both use the tiny model's tokenizer, which has Orpheus's ids.
+`dummy` random ones: nothing is downloaded) with the worker's own engine adapter and its default
+attention (`auto`: vLLM's choice, FlashAttention 3 on Hopper); on CPU the tiny model. Both use the
+tiny model's tokenizer, which has Orpheus's ids.
+
+On a GPU, FlashInfer (with TRT-LLM attention on, then off) runs afterwards as comparisons, each with
+the kernels its engine actually ran beside its figures. A comparison runs only where FlashInfer's
+precompiled kernels are installed: without them vLLM 0.33 compiles FlashInfer's kernels at start-up
+(minutes) or, with NVIDIA's artifactory out of reach, turns TRT-LLM attention off without an error
+(`vllm/utils/flashinfer.py`: `has_nvidia_artifactory`, `supports_trtllm_attention`), so "on" and
+"off" would time the same kernels. Where they are missing it is skipped, naming what to install.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
+import os
 import shutil
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from llm_server.audio_tokens import frame_violations
@@ -24,21 +35,41 @@ from llm_server.vllm_engine import VllmEngine
 ORPHEUS_3B_CONFIG = Path(__file__).with_name("orpheus-3b-config.json")
 STEP_BUDGET_MS = 1000.0 / TOKENS_PER_SECOND  # one token per step per stream keeps a stream real time
 TEXT = "The quick brown fox jumps over the lazy dog, and the doctor listens to every frame."
+KERNELS_INSTALL = "`vllm download-kernels` (vLLM's own command; it runs `python -m flashinfer download-kernels`)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionComparison:
+    """Attention settings timed beside the main run (LlmServerConfig's attention fields)."""
+
+    name: str
+    attention_backend: str
+    trtllm_attention: str
+
+    @property
+    def settings(self) -> dict[str, str]:
+        return {"attention_backend": self.attention_backend, "trtllm_attention": self.trtllm_attention}
+
+
+GPU_COMPARISONS = (AttentionComparison("flashinfer+trtllm", "FLASHINFER", "on"),
+                   AttentionComparison("flashinfer", "FLASHINFER", "off"))
 
 
 @dataclasses.dataclass(frozen=True)
 class LlmPlan:
-    """What to run: the engine's settings and the batch sizes to time."""
+    """What to run: the engine's settings, the batch sizes to time and the attention comparisons."""
 
     config: LlmServerConfig
     model_dir: str
     batches: tuple[int, ...]
     constrained_streams: int
     tokens_per_stream: int
+    comparisons: tuple[AttentionComparison, ...] = ()
 
 
 def plan(device: str, workdir: Path, cache_dir: str, quick: bool) -> LlmPlan:
-    """The 3B architecture with dummy weights on a GPU, the tiny model on CPU."""
+    """The 3B architecture with dummy weights and the worker's default attention on a GPU, the tiny
+    model on CPU."""
     tiny = resolve_model("tiny", cache_dir)
     if device == "cpu":
         config = LlmServerConfig(device="cpu", model="tiny", cache_dir=cache_dir, enforce_eager=True,
@@ -48,8 +79,91 @@ def plan(device: str, workdir: Path, cache_dir: str, quick: bool) -> LlmPlan:
     model_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(ORPHEUS_3B_CONFIG, model_dir / "config.json")
     config = LlmServerConfig(device="cuda", model=str(model_dir), tokenizer=tiny, load_format="dummy",
-                             max_model_len=2048, max_num_seqs=256, attention_backend="FLASHINFER", trtllm_attention="on")
-    return LlmPlan(config, str(model_dir), (1, 16, 64, 128, 256), 64, 196)
+                             max_model_len=2048, max_num_seqs=256)
+    return LlmPlan(config, str(model_dir), (1, 16, 64, 128, 256), 64, 196, GPU_COMPARISONS)
+
+
+def _installed(distribution: str) -> str | None:
+    """A distribution's public version (no local `+cu130` part, as vLLM compares them), or None."""
+    from packaging.version import Version
+
+    try:
+        return Version(importlib.metadata.version(distribution)).public
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_tag(cuda_version: str) -> str:
+    return "cu" + "".join(cuda_version.split(".")[:2])
+
+
+def missing_kernel_packages(cuda_version: str | None, env: Mapping[str, str]) -> str | None:
+    """What FlashInfer lacks to run precompiled kernels here, and how to install it; None if nothing.
+
+    vLLM 0.33's own test (`warn_if_flashinfer_kernels_missing`): flashinfer-cubin (unless
+    VLLM_HAS_FLASHINFER_CUBIN=1) and, for torch built with CUDA >= 12.9, flashinfer-jit-cache, each of
+    exactly flashinfer-python's version. `cuda_version` is torch.version.cuda.
+    """
+    from packaging.version import Version
+
+    flashinfer = _installed("flashinfer-python")
+    if flashinfer is None:
+        return ("flashinfer-python is not installed (vLLM's GPU wheel depends on it: reinstall vllm), so vLLM "
+                "has no FLASHINFER attention backend")
+    wanted = [] if env.get("VLLM_HAS_FLASHINFER_CUBIN", "0") not in ("", "0") else ["flashinfer-cubin"]
+    if cuda_version and Version(cuda_version) >= Version("12.9"):
+        wanted.append("flashinfer-jit-cache")
+    found = {name: _installed(name) for name in wanted}
+    wrong = [name for name, got in found.items() if got != flashinfer]
+    if not wrong:
+        return None
+    problems = "; ".join(_package_problem(name, found[name], flashinfer) for name in wrong)
+    pins = " ".join(f"{name}=={flashinfer}" + (f"+{_cuda_tag(cuda_version)}" if name == "flashinfer-jit-cache" else "")
+                    for name in wrong)
+    return (f"{problems}: FlashInfer would compile its kernels at engine start (minutes) or, offline, vLLM turns "
+            f"TRT-LLM attention off without an error. Install with {KERNELS_INSTALL}, or `pip install {pins}` "
+            "(FlashInfer's wheel index has every version; PyPI may not)")
+
+
+def _package_problem(name: str, got: str | None, flashinfer: str) -> str:
+    return f"{name} not installed" if got is None else f"{name} {got} does not match flashinfer-python {flashinfer}"
+
+
+def trtllm_unsupported(capability: tuple[int, int] | None) -> str | None:
+    """Why this GPU has no TRT-LLM attention kernels in vLLM 0.33 (`supports_trtllm_attention`), or None:
+    SM90 and SM12x have the XQA decode kernel, SM100/103 trtllm-gen for prefill and decode."""
+    if capability is None:
+        return "the GPU's compute capability could not be read"
+    major, minor = capability
+    if (major, minor) == (9, 0) or major in (10, 12):
+        return None
+    return f"vLLM runs TRT-LLM attention on SM90, SM100/103 and SM12x only; this GPU is SM{major}{minor}"
+
+
+def skip_reason(comparison: AttentionComparison, cuda_version: str | None, capability: tuple[int, int] | None,
+                env: Mapping[str, str]) -> str | None:
+    """Why `comparison` cannot measure the kernels it names on this machine, or None."""
+    reasons = [missing_kernel_packages(cuda_version, env) if comparison.attention_backend == "FLASHINFER" else None,
+               trtllm_unsupported(capability) if comparison.trtllm_attention == "on" else None]
+    reasons = [r for r in reasons if r]
+    return "; ".join(reasons) if reasons else None
+
+
+def kernels_as_asked(comparison: AttentionComparison, engine: Mapping[str, object]) -> bool:
+    """Whether the engine ran the backend and TRT-LLM decode kernel the comparison asked for."""
+    backend = comparison.attention_backend
+    backend_ok = backend.lower() == "auto" or backend in engine.get("backends", [])
+    trtllm = engine.get("trtllm_decode", "none") != "none"
+    return backend_ok and {"on": trtllm, "off": not trtllm}.get(comparison.trtllm_attention, True)
+
+
+def _gpu_kernel_facts() -> tuple[str | None, tuple[int, int] | None]:
+    """torch's CUDA version and GPU 0's compute capability (vLLM reads it through NVML: no CUDA context)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    return torch.version.cuda, (capability.major, capability.minor) if capability is not None else None
 
 
 async def _stream(engine: VllmEngine, prompt: list[int], sampling: Sampling, request_id: str) -> tuple[list[int], list[float]]:
@@ -127,12 +241,29 @@ async def run_engine(plan_: LlmPlan, config: LlmServerConfig, check_constraint: 
     return result
 
 
+async def compare(plan_: LlmPlan, comparison: AttentionComparison, reason: str | None) -> dict[str, object]:
+    """One comparison: skipped with `reason`, or its step times beside the kernels its engine ran."""
+    entry: dict[str, object] = {"name": comparison.name, "settings": comparison.settings}
+    if reason is not None:
+        return {**entry, "skipped": reason}
+    config = dataclasses.replace(plan_.config, **comparison.settings)
+    try:
+        measured = await run_engine(plan_, config, check_constraint=False)
+    except Exception as exc:  # a comparison that cannot start leaves the main figures standing
+        return {**entry, "failed": f"{type(exc).__name__}: {exc}"}
+    return {**entry, **measured, "kernels_as_asked": kernels_as_asked(comparison, measured["engine"])}
+
+
 async def check_llm(plan_: LlmPlan) -> dict[str, object]:
-    """The engine as the worker runs it; on a GPU, the same batches again with TRT-LLM attention off."""
+    """The engine as the worker runs it (attention auto), then each attention comparison the plan names
+    that this machine can run."""
     main = await run_engine(plan_, plan_.config, check_constraint=True)
     if plan_.config.resolved_device == "cpu":
-        main["trtllm_attention"] = "not applicable on CPU: vLLM's CPU backend has its own attention"
-        return main
-    off = await run_engine(plan_, dataclasses.replace(plan_.config, trtllm_attention="off"), check_constraint=False)
-    main["trtllm_attention"] = {"on": main["step_ms"], "off": off["step_ms"], "off_engine": off["engine"]}
+        return {**main, "attention_comparisons": [],
+                "attention_note": "not applicable on CPU: vLLM's CPU backend has its own attention"}
+    cuda_version, capability = _gpu_kernel_facts()
+    main["attention_comparisons"] = [
+        await compare(plan_, c, skip_reason(c, cuda_version, capability, os.environ)) for c in plan_.comparisons]
+    main["attention_note"] = ("step_ms above: attention auto (the worker's default), kernels in engine; each "
+                              "comparison lists the kernels its own engine ran")
     return main

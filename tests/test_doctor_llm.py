@@ -1,0 +1,143 @@
+"""The doctor's LLM plan and its attention comparisons, without starting an engine: the main run takes the
+worker's default attention (auto); FlashInfer + TRT-LLM is a comparison that runs only where FlashInfer's
+precompiled kernels are installed, and otherwise says what is missing (issue 24, finding 3)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+import megapod.doctor.llm as llm
+from llm_server.config import LlmServerConfig
+from processes import TINY_CACHE
+
+FLASHINFER = "0.7.2.post1"
+ALL_KERNELS = {"flashinfer-python": FLASHINFER, "flashinfer-cubin": FLASHINFER,
+               "flashinfer-jit-cache": f"{FLASHINFER}+cu130"}
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Pretend these distributions (name -> version) are the only ones installed."""
+    packages: dict[str, str] = {}
+
+    def version(name: str) -> str:
+        if name not in packages:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return packages[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    return packages
+
+
+def test_gpu_plan_runs_the_workers_default_attention(tmp_path):
+    config = llm.plan("cuda", tmp_path, TINY_CACHE, quick=False).config
+    defaults = LlmServerConfig()
+    assert (config.attention_backend, config.trtllm_attention) == (defaults.attention_backend, defaults.trtllm_attention)
+    assert (config.attention_backend, config.trtllm_attention) == ("auto", "auto")
+
+
+def test_gpu_plan_compares_flashinfer_with_trtllm_on_and_off(tmp_path):
+    comparisons = llm.plan("cuda", tmp_path, TINY_CACHE, quick=False).comparisons
+    assert [c.settings for c in comparisons] == [
+        {"attention_backend": "FLASHINFER", "trtllm_attention": "on"},
+        {"attention_backend": "FLASHINFER", "trtllm_attention": "off"}]
+
+
+def test_cpu_plan_has_no_attention_comparisons(tmp_path):
+    assert llm.plan("cpu", tmp_path, TINY_CACHE, quick=True).comparisons == ()
+
+
+def test_missing_cubin_is_named_with_its_install(installed):
+    installed.update(ALL_KERNELS)
+    del installed["flashinfer-cubin"]
+    reason = llm.missing_kernel_packages("13.0", {})
+    assert reason.startswith("flashinfer-cubin not installed")
+    assert f"pip install flashinfer-cubin=={FLASHINFER}`" in reason and "vllm download-kernels" in reason
+    assert "jit-cache" not in reason  # installed, at flashinfer's version
+
+
+def test_all_kernel_packages_present(installed):
+    installed.update(ALL_KERNELS)
+    assert llm.missing_kernel_packages("13.0", {}) is None
+
+
+def test_a_cubin_of_another_version_counts_as_missing(installed):
+    installed.update(ALL_KERNELS, **{"flashinfer-cubin": "0.6.13"})
+    assert llm.missing_kernel_packages("13.0", {}).startswith(
+        f"flashinfer-cubin 0.6.13 does not match flashinfer-python {FLASHINFER}")
+
+
+def test_jit_cache_is_needed_from_cuda_12_9_only(installed):
+    installed.update({k: v for k, v in ALL_KERNELS.items() if k != "flashinfer-jit-cache"})
+    assert llm.missing_kernel_packages("12.8", {}) is None
+    reason = llm.missing_kernel_packages("12.9", {})
+    assert reason.startswith("flashinfer-jit-cache not installed")
+    assert f"flashinfer-jit-cache=={FLASHINFER}+cu129" in reason
+
+
+def test_vllm_has_flashinfer_cubin_stands_for_the_cubin_package(installed):
+    installed.update({k: v for k, v in ALL_KERNELS.items() if k != "flashinfer-cubin"})
+    assert llm.missing_kernel_packages("13.0", {"VLLM_HAS_FLASHINFER_CUBIN": "1"}) is None
+
+
+def test_no_flashinfer_at_all(installed):
+    assert llm.missing_kernel_packages("13.0", {}).startswith("flashinfer-python is not installed")
+
+
+@pytest.mark.parametrize("capability, supported", [((9, 0), True), ((10, 0), True), ((10, 3), True), ((12, 0), True),
+                                                    ((8, 0), False), ((8, 9), False), (None, False)])
+def test_trtllm_needs_hopper_blackwell(capability, supported):
+    assert (llm.trtllm_unsupported(capability) is None) == supported
+
+
+@pytest.mark.parametrize("engine, on_ok, off_ok", [
+    ({"backends": ["FLASHINFER"], "trtllm_decode": "xqa"}, True, False),
+    ({"backends": ["FLASHINFER"], "trtllm_decode": "none"}, False, True),  # TRT-LLM silently off
+    ({"backends": ["FLASH_ATTN"], "trtllm_decode": "none"}, False, False),  # not FlashInfer at all
+])
+def test_kernels_as_asked(engine, on_ok, off_ok):
+    on, off = llm.GPU_COMPARISONS
+    assert llm.kernels_as_asked(on, engine) == on_ok and llm.kernels_as_asked(off, engine) == off_ok
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A GPU plan whose engines are stand-ins: each run_engine call is recorded with its attention settings."""
+    started: list[tuple[str, str]] = []
+
+    async def run_engine(plan_, config, check_constraint):
+        started.append((config.attention_backend, config.trtllm_attention))
+        trtllm = "xqa" if config.trtllm_attention == "on" else "none"
+        backends = ["FLASH_ATTN"] if config.attention_backend == "auto" else [config.attention_backend]
+        result = {"engine": {"engine": "vllm", "runner": "V2", "backends": backends, "trtllm_decode": trtllm},
+                  "start_s": 1.0, "step_ms": {1: 5.0}, "realtime_streams": 1.0}
+        return {**result, "frame_constraint": {"ok": True}} if check_constraint else result
+
+    monkeypatch.setattr(llm, "run_engine", run_engine)
+    monkeypatch.setattr(llm, "_gpu_kernel_facts", lambda: ("13.0", (9, 0)), raising=False)
+    return llm.plan("cuda", tmp_path, TINY_CACHE, quick=False), started
+
+
+async def test_check_llm_skips_flashinfer_without_its_kernels(fake_gpu, installed):
+    plan_, started = fake_gpu
+    installed.update({k: v for k, v in ALL_KERNELS.items() if k != "flashinfer-cubin"})
+    result = await llm.check_llm(plan_)
+    assert started == [("auto", "auto")]  # the main run only
+    assert "trtllm_attention" not in result
+    assert [(c["name"], "flashinfer-cubin not installed" in c["skipped"]) for c in result["attention_comparisons"]] == [
+        ("flashinfer+trtllm", True), ("flashinfer", True)]
+
+
+async def test_check_llm_reports_each_comparisons_kernels_beside_its_figures(fake_gpu, installed):
+    plan_, started = fake_gpu
+    installed.update(ALL_KERNELS)
+    result = await llm.check_llm(plan_)
+    assert started == [("auto", "auto"), ("FLASHINFER", "on"), ("FLASHINFER", "off")]
+    assert result["engine"]["backends"] == ["FLASH_ATTN"] and result["frame_constraint"]["ok"]
+    on, off = result["attention_comparisons"]
+    assert on["settings"] == {"attention_backend": "FLASHINFER", "trtllm_attention": "on"}
+    assert on["engine"]["trtllm_decode"] == "xqa" and on["step_ms"] == {1: 5.0} and on["kernels_as_asked"]
+    assert off["engine"]["trtllm_decode"] == "none" and off["kernels_as_asked"]
+    assert "frame_constraint" not in on and "skipped" not in on

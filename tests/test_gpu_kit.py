@@ -1,0 +1,108 @@
+"""The GPU kit, dry-run on CPU so it cannot rot (issue 24): `make gpu-kit` fetches the codec tier's wheels,
+deploy/gpu/first_contact.sh installs them into a private folder and runs `python -m megapod.doctor --codec-only`
+where vLLM and the web stack cannot be imported (a bare GPU node has neither), and the JSON holds every
+field a GPU run fills, the GPU-only ones saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KIT = ROOT / ".gpu-kit"
+BLOCKED = ("vllm", "fastapi", "uvicorn", "httpx", "av", "soxr")
+# Imported at start-up from PYTHONPATH: these top-level packages raise ImportError, as on the GPU node.
+SITECUSTOMIZE = f"""
+import importlib.abc, sys
+
+class _NotOnTheGpuNode(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {BLOCKED!r}:
+            raise ImportError(f"{{name}} is not installed on the GPU node")
+        return None
+
+sys.meta_path.insert(0, _NotOnTheGpuNode())
+"""
+CHECKS = {"codec_warm_up", "codec_graph_equals_eager", "codec_streaming_equals_full_decode", "codec_step_never_syncs",
+          "codec_replica_serves"}
+
+
+@pytest.fixture(scope="module")
+def node_env(tmp_path_factory) -> dict[str, str]:
+    """This environment as a bare GPU node sees it: the blocked packages raise on import."""
+    blocker = tmp_path_factory.mktemp("gpu-node")
+    (blocker / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return {**os.environ, "PYTHONPATH": str(blocker), "PYTHON": sys.executable}
+
+
+@pytest.fixture(scope="module")
+def first_contact(node_env, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    made = subprocess.run(["make", "gpu-kit"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    print(made.stdout[-600:])  # the kit's size
+    out = tmp_path_factory.mktemp("first-contact")
+    ran = subprocess.run([str(ROOT / "deploy/gpu/first_contact.sh"), str(out), "--device", "cpu", "--max-batch", "2", "--quick"],
+                         capture_output=True, text=True, timeout=900, env=node_env)
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
+    return ran, out
+
+
+@pytest.mark.parametrize("module", BLOCKED)
+def test_the_stand_in_node_cannot_import_the_llm_or_web_stack(node_env, module):
+    """Else the dry-run below would prove nothing about a node without them."""
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=node_env)
+    assert done.returncode != 0 and "not installed on the GPU node" in done.stderr
+
+
+def test_the_kit_is_small_and_holds_the_codec_wheels(first_contact):
+    wheels = sorted(p.name for p in KIT.glob("*.whl"))
+    assert [w.split("-")[0] for w in wheels] == ["grpcio", "grpcio_health_checking", "grpcio_reflection", "protobuf", "snac"]
+    assert all("cp312" in w or "abi3" in w or "py3-none-any" in w for w in wheels), wheels
+    assert sum(p.stat().st_size for p in KIT.iterdir()) < 48 * 2**20
+
+
+def test_first_contact_installs_the_kit_privately_and_prints_the_versions(first_contact):
+    ran, out = first_contact
+    versions = (out / "versions.txt").read_text()
+    assert "gpu: " in versions and "snac 1.2.1" in versions and "protobuf 7.36.2" in versions
+    # The pure-Python wheels fit any Python, so they come from the kit, into a folder of their own.
+    installed = next(line for line in versions.splitlines() if line.startswith("installed from the kit"))
+    assert "snac-1.2.1-py3-none-any.whl" in installed and "megapod-gpu-site." in installed
+    assert "doctor exit status 0" in ran.stdout
+
+
+def test_the_codec_only_doctor_passes_and_writes_every_field(first_contact):
+    _, out = first_contact
+    report = json.loads((out / "doctor.json").read_text())
+    assert report["codec_only"] and set(report["checks"]) == CHECKS, report["checks"]
+    assert report["ok"] and all(c["ok"] for c in report["checks"].values())
+    warm = report["checks"]["codec_warm_up"]
+    assert warm["batch_ladder"] == [1, 2] and warm["frame_buckets"] == [1, 2, 4, 8, 16] and warm["reference_window"] == 4
+    assert warm["state_kib_per_stream"] > 400 and warm["seconds"] > 0
+    codec = report["figures"]["codec"]
+    for kind in ("streaming", "reference"):
+        timed = codec["float32"][kind]
+        assert set(timed["step_ms"]) == {"1", "2"} and all(ms > 0 for ms in timed["step_ms"].values())
+        assert timed["realtime_streams"] == max(timed["audio_s_per_s"].values()) > 0
+    assert 30 < codec["bfloat16"]["snr_db_to_fp32"] < 50
+    streamed = report["checks"]["codec_streaming_equals_full_decode"]
+    assert 0 < max(streamed["max_abs_diff"].values()) <= streamed["tolerance"]
+    served = report["checks"]["codec_replica_serves"]
+    assert served["streams"] == 2 and served["max_abs_diff"] <= served["tolerance"]
+    assert report["checks"]["codec_step_never_syncs"]["detector_findings"] == []
+
+
+def test_gpu_only_fields_say_not_measured_on_cpu(first_contact):
+    _, out = first_contact
+    report = json.loads((out / "doctor.json").read_text())
+    gpu_only = [report["checks"]["codec_warm_up"]["graph_pool_mib"], report["checks"]["codec_warm_up"]["peak_allocated_mib"],
+                report["checks"]["codec_graph_equals_eager"]["detail"], report["checks"]["codec_step_never_syncs"]["cuda_sync_debug"],
+                report["figures"]["codec"]["bfloat16"]["speed"]]
+    assert gpu_only == ["not measured: cpu"] * 5
+    assert report["checks"]["codec_warm_up"]["cuda_graphs"] == 0
+    assert not {"llm_engine_starts", "attention"} & {*report["checks"], *report}
