@@ -59,6 +59,13 @@ def test_the_stand_in_node_cannot_import_the_llm_or_web_stack(node_env, module):
     assert done.returncode != 0 and "not installed on the GPU node" in done.stderr
 
 
+def test_the_megapod_command_loads_no_web_stack_or_vllm_before_a_subcommand_needs_it(node_env):
+    """`megapod doctor --codec-only` goes through megapod.cli, which imported uvicorn, FastAPI and httpx first."""
+    done = subprocess.run([sys.executable, "-c", "import megapod.cli, megapod.doctor"], capture_output=True, text=True,
+                          env=node_env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_kit_is_small_and_holds_the_codec_wheels(first_contact):
     wheels = sorted(p.name for p in KIT.glob("*.whl"))
     assert [w.split("-")[0] for w in wheels] == ["grpcio", "grpcio_health_checking", "grpcio_reflection", "protobuf", "snac"]
