@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import itertools
 import logging
@@ -21,6 +22,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +41,8 @@ MAX_BODY_BYTES = 65536
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 # Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
 _PASSED_HEADERS = ("authorization", "x-api-key", "x-request-id")
+POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection, then gets a 503
+KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
 
@@ -53,6 +57,10 @@ class FrontConfig:
     workers_dns: str = ""  # or host:port of a headless Service: every address it resolves to is a worker
     refresh_s: float = 5.0  # how often workers_dns is resolved again (pods come, go, get new addresses)
     grace_s: float = 15.0  # SIGTERM: how long streams in flight may finish
+    # Streams relayed at once: each holds a connection to its worker for its whole length, so the pool
+    # must not be smaller than the MegaPod's stream capacity (httpx's default of 100 made the 101st
+    # stream wait for one to end). Past it a new stream waits POOL_WAIT_S, then gets a 503.
+    max_streams: int = 4096
 
     def __post_init__(self) -> None:
         if bool(self.workers) == bool(self.workers_dns):
@@ -64,8 +72,8 @@ class FrontConfig:
         for url in self.worker_urls():
             if not url.startswith("http://"):
                 raise ValueError(f"worker URLs are http://host:port, not {url!r}")
-        if self.refresh_s <= 0 or self.grace_s < 0:
-            raise ValueError("refresh_s must be > 0 and grace_s >= 0")
+        if self.refresh_s <= 0 or self.grace_s < 0 or self.max_streams < 1:
+            raise ValueError("refresh_s must be > 0, grace_s >= 0 and max_streams >= 1")
 
     def worker_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.workers.split(",") if u.strip()]
@@ -167,9 +175,10 @@ class DnsWorkers:
 
 
 def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", refresh_s: float = 5.0,
-                     resolve: Resolver = resolve_all) -> FastAPI:
+                     resolve: Resolver = resolve_all, max_streams: int = FrontConfig.max_streams) -> FastAPI:
     """The front app over the given worker base URLs (http://host:port), or over every address
-    `workers_dns` (host:port) resolves to, resolved again every refresh_s while the app runs."""
+    `workers_dns` (host:port) resolves to, resolved again every refresh_s while the app runs; up to
+    `max_streams` streams relayed at once (its connections to the workers)."""
     registry = CollectorRegistry()
     active = Gauge("megapod_front_active_streams", "Streams relayed, per worker", ["worker"], registry=registry)
     routed = Counter("megapod_front_requests", "Speech requests by worker and status", ["worker", "status"], registry=registry)
@@ -178,7 +187,8 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     pool = WorkerPool(worker_urls, on_forget=_forget_series(active, routed))
     # A short connect timeout: a worker that vanished without closing (node lost) drops packets, and
     # every new stream would wait out a long one before trying the next worker.
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0, read=None))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0, read=None, pool=POOL_WAIT_S),
+                               limits=httpx.Limits(max_connections=max_streams, max_keepalive_connections=KEEPALIVE))
     discovery = DnsWorkers(pool, workers_dns, refresh_s, resolve) if workers_dns else None
 
     @contextlib.asynccontextmanager
@@ -187,6 +197,9 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         if discovery is not None:
             await discovery.refresh()  # workers known before the first request
             watching = asyncio.create_task(discovery.run())
+        # Its modules and app stay for the process's life: out of the collector's sight, as in the servers.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -228,7 +241,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
                 await upstream.aclose()
                 continue
-            return _relay(upstream, url, pool, active, request)
+            return _relay(upstream, url, pool, active)
         if not at_limit:
             return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
         return error_response(429, "every worker is at its stream limit; retry shortly", code="rate_limit_exceeded",
@@ -304,31 +317,39 @@ async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, h
 
 
 class _RelayedResponse(StreamingResponse):
-    """A worker's reply streamed on; however the response ends (the last byte, an error, a client gone
-    before the body began: then the body's generator never runs), the upstream closes and `done` runs."""
+    """A worker's reply streamed on until its end or until the client leaves; however it ends, the
+    upstream response closes (the worker sees the cut and aborts its stream) and `done` runs.
 
-    def __init__(self, upstream: httpx.Response, done: Callable[[], None], request: Request, headers: dict) -> None:
-        super().__init__(self._body(upstream, request), status_code=upstream.status_code, headers=headers)
+    The close is never left to a task that can be cancelled: cancelling a task inside httpx's
+    `aclose()` (as a disconnect watcher did, cancelled by the body's own `finally`) skips the pool's
+    release of the connection, and after 100 barge-ins (httpx's pool size) every new stream waited out
+    its pool timeout into a 503, for good.
+    """
+
+    def __init__(self, upstream: httpx.Response, done: Callable[[], None], headers: dict) -> None:
+        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers)
         self._upstream, self._done = upstream, done
-
-    @staticmethod
-    async def _body(upstream: httpx.Response, request: Request) -> AsyncIterator[bytes]:
-        watcher = asyncio.create_task(_close_on_disconnect(request, upstream))
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        finally:
-            watcher.cancel()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as streaming:  # the body, until the client leaves
+                streaming.start_soon(_cancel_on_disconnect, receive, streaming.cancel_scope)
+                with contextlib.suppress(OSError):  # a write to a client that left (ASGI 2.4 servers raise)
+                    await self.stream_response(send)
+                streaming.cancel_scope.cancel()
         finally:
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()  # closes the worker's connection if its reply is not over
             self._done()
-            await self._upstream.aclose()
 
 
-def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, request: Request) -> StreamingResponse:
+async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge) -> StreamingResponse:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
     headers["x-megapod-worker"] = url
     active.labels(url).inc()  # the pool's slot was taken before the request went out
@@ -337,14 +358,7 @@ def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge, 
         active.labels(url).dec()
         pool.release(url)
 
-    return _RelayedResponse(upstream, done, request, headers)
-
-
-async def _close_on_disconnect(request: Request, upstream: httpx.Response) -> None:
-    """The client left: close the upstream request now so the worker aborts generation."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    await upstream.aclose()
+    return _RelayedResponse(upstream, done, headers)
 
 
 async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
@@ -438,7 +452,7 @@ def serve_front(config: FrontConfig) -> None:
 
     from llm_server.server import DrainingServer  # the worker's drain; imported here, not by `megapod say`
 
-    app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s)
+    app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s, max_streams=config.max_streams)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=None,
                                            timeout_graceful_shutdown=int(config.grace_s), timeout_keep_alive=30))
     server.run()

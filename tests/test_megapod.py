@@ -59,6 +59,35 @@ async def test_concurrent_streams_spread_over_both_workers(megapod):
     assert samples == 2048 * (_frames(megapod) - before), "every generated frame arrives as audio"
 
 
+async def test_streams_cut_through_the_front_end_at_the_worker_and_its_engine(megapod):
+    """Barge-in through the front (issue 28): four streams cut after their first chunk kept their worker
+    streams and engine requests to their natural end (79 of 120 cut-and-retry requests then met the cap).
+    The bound is an event: before an uncut stream of the same text, started with them, ends, the workers
+    hold nothing but that stream."""
+    ports = [megapod["ports"]["workers"] + i for i in range(megapod["workers"])]
+    body = {"model": "orpheus", "voice": "tara", "response_format": "pcm",
+            "input": "This sentence is long enough that its speech takes the tiny model many seconds to generate."}
+
+    def held() -> float:  # streams and engine requests the workers hold
+        return sum(scrape(p, "orpheus_active_streams") + scrape(p, "orpheus_engine_unfinished_requests") for p in ports)
+
+    async with httpx.AsyncClient(base_url=megapod["url"], timeout=600) as http:
+        async def cut() -> int:
+            async with http.stream("POST", "/v1/audio/speech", json=body) as reply:
+                async for _ in reply.aiter_raw():
+                    break  # the user interrupted
+                return reply.status_code
+
+        uncut = asyncio.create_task(http.post("/v1/audio/speech", json=body))
+        assert await asyncio.gather(*(cut() for _ in range(4))) == [200] * 4
+        readings = [await asyncio.to_thread(held)]
+        while readings[-1] > 2 and not uncut.done():  # the uncut stream: one stream, one engine request
+            await asyncio.sleep(0.05)
+            readings.append(await asyncio.to_thread(held))
+        assert not uncut.done() and readings[-1] <= 2, f"held {readings[::10]}; uncut stream done: {uncut.done()}"
+        assert (await uncut).status_code == 200
+
+
 async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
     before = _frames(megapod)
     victims = [int(m) for m in re.findall(r"started snac-0 \(pid (\d+)\)", megapod["log"].read_text())]

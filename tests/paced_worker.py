@@ -1,0 +1,62 @@
+"""A test double of an llm-server worker for the front's tests: every speech POST gets CHUNKS chunks of
+silent PCM, one every INTERVAL_S, and /stats says how its streams ended: `whole` (every chunk sent) or
+`cut` (the connection closed before the last). Run as `python tests/paced_worker.py PORT`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+CHUNKS, INTERVAL_S, CHUNK_BYTES = 30, 0.1, 4800  # 3 s of 24 kHz s16 audio, 0.1 s a chunk
+SPEECH_PATHS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
+stats = {"active": 0, "started": 0, "whole": 0, "cut": 0}
+
+
+class CountedStream(StreamingResponse):
+    """Counts a stream `whole` when its last chunk went out, else `cut` (Starlette stops the body when
+    the client disconnects: uvicorn's httptools protocol speaks ASGI 2.3)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        super().__init__(self._pcm(), media_type="audio/pcm")
+
+    async def _pcm(self):
+        for i in range(CHUNKS):
+            if i:
+                await asyncio.sleep(INTERVAL_S)
+            yield b"\0" * CHUNK_BYTES
+            self.sent += 1
+
+    async def __call__(self, scope, receive, send) -> None:
+        stats["active"] += 1
+        stats["started"] += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            stats["active"] -= 1
+            stats["whole" if self.sent == CHUNKS else "cut"] += 1
+
+
+async def speech(request) -> StreamingResponse:
+    await request.body()
+    return CountedStream()
+
+
+async def ready(request) -> JSONResponse:
+    return JSONResponse({"status": "ready"})
+
+
+async def report(request) -> JSONResponse:
+    return JSONResponse(stats)
+
+
+app = Starlette(routes=[*(Route(p, speech, methods=["POST"]) for p in SPEECH_PATHS), Route("/ready", ready),
+                        Route("/stats", report)])
+
+if __name__ == "__main__":
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

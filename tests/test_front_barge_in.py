@@ -1,0 +1,126 @@
+"""The front under what voice agents do (issue 28). Barge-in: a voice agent cuts a stream off mid-audio whenever its user
+interrupts. Through `megapod front`, each cut stream kept its connection to the worker checked out of
+the front's httpx pool and never told the worker: after 100 cuts (the pool's size) every stream got a
+503 and the front's /ready said 503, for good, the worker idle all along. Load: httpx's default pool of
+100 connections made every stream past the 100th wait for an earlier one to end, and /ready with them.
+
+Over a test double of a worker (tests/paced_worker.py: paced PCM that counts how each stream ended),
+the real front, in its own process, as `megapod front` runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from megapod.front import KEEPALIVE
+from megapod.launcher import Child, free_ports
+from paced_worker import CHUNK_BYTES, CHUNKS, INTERVAL_S, SPEECH_PATHS
+
+CUTS = 210  # past the pool's old 100, over every relayed path
+AT_ONCE = 10
+CONCURRENT = 300
+
+
+@pytest.fixture(scope="module")
+def front_and_worker(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("front-barge-in")
+    worker_port, front_port = free_ports(2)
+    worker = Child("paced-worker", [sys.executable, str(Path(__file__).with_name("paced_worker.py")), str(worker_port)],
+                   logs / "worker.log", f"http://127.0.0.1:{worker_port}/ready")
+    front = Child("front", [sys.executable, "-m", "megapod", "front", "--host", "127.0.0.1", "--port", str(front_port),
+                            "--workers", f"http://127.0.0.1:{worker_port}"], logs / "front.log",
+                  f"http://127.0.0.1:{front_port}/ready")
+    worker.start().wait_ready(60)
+    front.start().wait_ready(60)
+    try:
+        yield front, f"http://127.0.0.1:{front_port}", f"http://127.0.0.1:{worker_port}"
+    finally:
+        front.stop()
+        worker.stop()
+
+
+async def _cut_after_first_chunk(http: httpx.AsyncClient, path: str) -> int:
+    async with http.stream("POST", path, json={"input": "Hello there.", "voice": "tara"}) as reply:
+        if reply.status_code == 200:
+            async for _ in reply.aiter_raw():
+                break  # the user interrupted: the agent drops the stream
+        return reply.status_code
+
+
+async def _whole(http: httpx.AsyncClient, path: str) -> tuple[int, int]:
+    reply = await http.post(path, json={"input": "Hello there.", "voice": "tara"})
+    return reply.status_code, len(reply.content)
+
+
+def _worker_sockets(front: Child, worker_url: str) -> list[str]:
+    port = int(worker_url.rsplit(":", 1)[1])
+    return [c.status for c in psutil.Process(front.pid).net_connections("tcp") if c.raddr and c.raddr.port == port]
+
+
+async def test_hundreds_of_cut_streams_reach_the_worker_and_leave_the_front_whole(front_and_worker):
+    front, front_url, worker_url = front_and_worker
+    async with httpx.AsyncClient(base_url=front_url, timeout=60) as http:
+        statuses = []
+        for i in range(0, CUTS, AT_ONCE):
+            statuses += await asyncio.gather(*(_cut_after_first_chunk(http, SPEECH_PATHS[(i + j) % 3]) for j in range(AT_ONCE)))
+        assert statuses == [200] * CUTS, {s: statuses.count(s) for s in set(statuses)}
+        # Ordinary streams afterwards, all whole; while they play, the cut ones are over at the worker.
+        whole = await asyncio.gather(*(_whole(http, path) for path in SPEECH_PATHS for _ in range(5)))
+        assert whole == [(200, CHUNKS * CHUNK_BYTES)] * 15
+        stats = (await http.get(f"{worker_url}/stats")).json()
+        assert (await http.get("/ready")).status_code == 200
+    # Each cut ended the worker's stream before its last chunk: the cut reached it (an event, not a clock:
+    # a stream the worker never heard of being cut would have counted as whole).
+    assert stats == {"active": 0, "started": CUTS + 15, "whole": 15, "cut": CUTS}, stats
+    # The front holds no connection the cuts left behind: none half-closed, no more than it keeps idle.
+    sockets = _worker_sockets(front, worker_url)
+    assert "CLOSE_WAIT" not in sockets and len(sockets) <= KEEPALIVE, sockets
+
+
+async def test_300_concurrent_streams_none_waits_and_ready_answers_throughout(front_and_worker):
+    front, front_url, _ = front_and_worker
+    process = psutil.Process(front.pid)
+    cpu_before = sum(process.cpu_times()[:2])
+    first_chunks: list[float] = []
+    ends: list[float] = []
+    probes: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    async def stream(http: httpx.AsyncClient) -> int:
+        size = 0
+        async with http.stream("POST", "/v1/audio/speech", json={"input": "Hello there.", "voice": "tara"}) as reply:
+            async for chunk in reply.aiter_raw():
+                if not size:
+                    first_chunks.append(loop.time())
+                size += len(chunk)
+        ends.append(loop.time())
+        return size
+
+    async def probe_until(done: asyncio.Future) -> None:
+        async with httpx.AsyncClient(base_url=front_url, timeout=3.0) as prober:  # the chart's readiness timeout
+            while not done.done():
+                try:
+                    probes.append((await prober.get("/ready")).status_code)
+                except httpx.TimeoutException:
+                    probes.append(0)
+                await asyncio.sleep(0.2)
+
+    limits = httpx.Limits(max_connections=CONCURRENT + 10)
+    async with httpx.AsyncClient(base_url=front_url, timeout=60, limits=limits) as http:
+        started = loop.time()
+        streams = asyncio.gather(*(stream(http) for _ in range(CONCURRENT)))
+        await asyncio.gather(streams, probe_until(streams))
+    assert streams.result() == [CHUNKS * CHUNK_BYTES] * CONCURRENT
+    # No stream waited for another to end: every first chunk came before any stream could have ended.
+    # No stream waited for another to end (as streams past the 100th did): every first chunk came before
+    # the first stream's end.
+    assert max(first_chunks) < min(ends), (max(first_chunks) - started, min(ends) - started)
+    assert probes and set(probes) == {200}, probes
+    cpu_ms = 1000 * (sum(process.cpu_times()[:2]) - cpu_before) / CONCURRENT
+    print(f"front CPU per relayed stream ({CHUNKS} chunks): {cpu_ms:.1f} ms")
+
