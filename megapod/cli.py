@@ -34,12 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     speak.add_argument("--seed", type=int, default=None)
     if argv and argv[0] == "up":
         from .gpu_layout import GpuLayoutError
+        from .launcher import ChildKeptDying
         from .topology import megapod_config_from_cli
         from .up import up
 
         try:
             asyncio.run(up(megapod_config_from_cli(argv[1:])))
-        except GpuLayoutError as exc:
+        except (GpuLayoutError, ChildKeptDying) as exc:
             sys.exit(f"megapod up: {exc}")
         return
     if argv and argv[0] == "front":

@@ -2,7 +2,8 @@
 
 Starts M snac-server replicas and N llm-server workers as child processes (each worker its
 own engine; a worker on the replicas' GPU once they are ready), waits until every one is ready,
-restarts any that dies, and on stop drains the workers first (their streams finish) and then the
+restarts any that dies (after a delay that doubles while it keeps dying, and gives up after
+MAX_DEATHS_IN_A_ROW), and on stop drains the workers first (their streams finish) and then the
 replicas.
 
 `Child` and `free_ports`/`free_block` are also how the tests and benchmarks start servers: one launcher.
@@ -33,6 +34,30 @@ from .gpu_layout import plan_gpus
 from .topology import MegaPodConfig
 
 log = logging.getLogger("megapod")
+
+# Restarting a child that dies: the first restart after RESTART_DELAY_FIRST_S, each further death in a row
+# doubling the delay up to RESTART_DELAY_MAX_S (a child that crashes at start-up is not respawned twice a
+# second, its log not flooded); the MAX_DEATHS_IN_A_ROW-th death in a row ends `megapod up` (ChildKeptDying)
+# instead: 0.5 + 1 + 2 + 4 + 8 + 16 + 30 s, about a minute of waiting besides the start-ups, is long
+# enough for a passing cause (a port another process still held, GPU memory it was giving back) to pass.
+RESTART_DELAY_FIRST_S = 0.5
+RESTART_DELAY_MAX_S = 30.0
+MAX_DEATHS_IN_A_ROW = 8
+# A child up this long before it died was serving, not failing to start: its count starts afresh (a
+# worker killed by the OOM killer once an hour is restarted after RESTART_DELAY_FIRST_S every time).
+# Longer than a worker's start-up however slow (vLLM loads the weights, profiles memory and captures CUDA
+# Graphs: a minute or two on a GPU, more on a cold disk), so a child that dies late in start-up, every
+# time, still counts as one that keeps dying.
+STABLE_AFTER_S = 300.0
+
+
+class ChildKeptDying(RuntimeError):
+    """A child died MAX_DEATHS_IN_A_ROW times in a row, each time within STABLE_AFTER_S of its start."""
+
+
+def restart_delay(deaths_in_a_row: int) -> float:
+    """Seconds to wait before restarting a child that has died this many times in a row (1: the first)."""
+    return min(RESTART_DELAY_FIRST_S * 2 ** (deaths_in_a_row - 1), RESTART_DELAY_MAX_S)
 
 
 def free_ports(n: int) -> list[int]:
@@ -194,6 +219,15 @@ def visible_gpus(config: MegaPodConfig) -> int:
     return torch.cuda.device_count()
 
 
+@dataclass
+class _Deaths:
+    """What the supervisor knows of one child's deaths."""
+
+    in_a_row: int = 0
+    handled: subprocess.Popen | None = None  # the process whose death was last reported (once, not each period)
+    restart_at: float | None = None  # time.monotonic() when the dead child is due to start again
+
+
 class Launcher:
     """Starts, watches and stops the processes of one MegaPod."""
 
@@ -207,6 +241,7 @@ class Launcher:
             for j, port in enumerate(config.snac_ports())
         ]
         self._watchers: set[asyncio.Task] = set()
+        self._deaths: dict[str, _Deaths] = {}  # by child name
         self.workers = [
             Child(f"llm-{i}", [python, "-m", "llm_server", *config.worker_args(i)], log_dir / f"llm-{i}.log",
                   f"http://{config.host}:{port}/ready", layout.worker_env(i))
@@ -256,23 +291,51 @@ class Launcher:
             await asyncio.sleep(0.5)
 
     async def supervise(self, stop: asyncio.Event, period_s: float = 0.5) -> None:
-        """Restart any process that dies, until `stop` is set."""
+        """Restart any process that dies, until `stop` is set: one that keeps dying after a delay that doubles
+        with each death in a row (restart_delay); raises ChildKeptDying at its MAX_DEATHS_IN_A_ROW-th. With
+        config.restart_dead off, each death is logged once and the process left dead."""
         while not stop.is_set():
+            now = time.monotonic()
             for child in self.children:
-                code = child.exited()
-                if code is None or stop.is_set():
-                    continue
-                log.error("%s (pid %d) died with exit code %d; restarting it", child.name, child.pid, code)
-                if self.config.restart_dead:
-                    child.restarts += 1
-                    child.start()
-                    task = asyncio.create_task(self._announce_ready(child))
-                    self._watchers.add(task)
-                    task.add_done_callback(self._watchers.discard)
+                if stop.is_set():
+                    break
+                if (code := child.exited()) is not None:
+                    self._dead(child, code, now)
+            due = [d.restart_at for d in self._deaths.values() if d.restart_at is not None]
+            wait_s = min([period_s, *(at - time.monotonic() for at in due)])
             try:
-                await asyncio.wait_for(stop.wait(), period_s)
+                await asyncio.wait_for(stop.wait(), max(wait_s, 0.0))
             except TimeoutError:
                 pass
+
+    def _dead(self, child: Child, code: int, now: float) -> None:
+        """A child found dead: report its death once, schedule its restart, restart it when due."""
+        deaths = self._deaths.setdefault(child.name, _Deaths())
+        if deaths.handled is child.popen:  # reported already: left dead, or waiting for its restart
+            if deaths.restart_at is not None and now >= deaths.restart_at:
+                deaths.restart_at = None
+                child.restarts += 1
+                child.start()
+                log.info("restarted %s (pid %d), restart %d", child.name, child.pid, child.restarts)
+                task = asyncio.create_task(self._announce_ready(child))
+                self._watchers.add(task)
+                task.add_done_callback(self._watchers.discard)
+            return
+        deaths.handled = child.popen
+        if not self.config.restart_dead:
+            log.error("%s (pid %d) died with exit code %d; not restarting it (restart_dead is off)",
+                      child.name, child.pid, code)
+            return
+        deaths.in_a_row = 1 if now - child.started_at >= STABLE_AFTER_S else deaths.in_a_row + 1
+        if deaths.in_a_row >= MAX_DEATHS_IN_A_ROW:
+            raise ChildKeptDying(
+                f"{child.name} died {deaths.in_a_row} times in a row, each within {STABLE_AFTER_S:.0f} s of its "
+                f"start; the last time with exit code {code}; {child.log_path}:\n{child.tail()}")
+        delay_s = restart_delay(deaths.in_a_row)
+        deaths.restart_at = now + delay_s
+        log.error("%s (pid %d) died with exit code %d (%d in a row); restarting it in %.3g s",
+                  child.name, child.pid, code, deaths.in_a_row, delay_s,
+                  extra={"child": child.name, "restart_in_s": delay_s})
 
     async def _announce_ready(self, child: Child) -> None:
         try:

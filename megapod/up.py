@@ -42,7 +42,8 @@ def log_dir() -> Path:
 
 
 async def up(config: MegaPodConfig) -> None:
-    """Start the MegaPod, serve the front endpoint, supervise; drain and stop on SIGINT/SIGTERM."""
+    """Start the MegaPod, serve the front endpoint, supervise; drain and stop on SIGINT/SIGTERM, or when a
+    process keeps dying (raising ChildKeptDying once all is stopped)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -64,9 +65,11 @@ async def up(config: MegaPodConfig) -> None:
         starting.result()
         serving = asyncio.create_task(front.serve())
         _print_endpoints(config)
-        await launcher.supervise(stop)
-        front.should_exit = True
-        await serving
+        try:
+            await launcher.supervise(stop)  # ChildKeptDying: a process that keeps dying ends the MegaPod
+        finally:
+            front.should_exit = True
+            await serving
     finally:
         log.info("stopping: draining workers, then codec replicas")
         await launcher.stop()
