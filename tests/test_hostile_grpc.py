@@ -31,7 +31,9 @@ from snac_server.session import MAX_FRAME_INDEX
 
 METHOD = "/megapod.codec.v3.SnacCodec/Decode"
 MAX_SAMPLE = MAX_FRAME_INDEX * FRAME_SAMPLES
-RPC_TIMEOUT_S = 20.0  # a stream still open after this is stuck: the test fails on DEADLINE_EXCEEDED
+# A guard against a stream that never ends (the test then fails on DEADLINE_EXCEEDED), not a speed bound:
+# beside a loaded machine's other work, test_resume_far_ahead's 310 one-frame messages took over 20 s.
+RPC_TIMEOUT_S = 300.0
 U64 = 2**64 - 1
 U32 = 2**32 - 1
 
@@ -422,12 +424,11 @@ async def test_bytes_that_are_not_a_decode_request(snac_server, grpc_channel, sy
     """Unparseable or out-of-contract bytes end their stream with INVALID_ARGUMENT, at once.
 
     Garbage after a valid header used to kill the stream's reader task silently and leave the
-    stream open until the client's deadline."""
-    started = asyncio.get_running_loop().time()
+    stream open until the client's deadline (DEADLINE_EXCEEDED, not INVALID_ARGUMENT: the status
+    tells the two apart, where a time bound would depend on the machine's load)."""
     code, details, _ = await run_stream(sync_channel, RAW_CASES[case])
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details
-    assert asyncio.get_running_loop().time() - started < 5.0, "the stream must fail fast, not wait for a deadline"
     await assert_healthy_and_idle(snac_server, grpc_channel)
 
 
