@@ -140,6 +140,7 @@ SERVER_CHECKS = {
     "snac.server.healthPort": {"minimum": -1},
     "snac.server.frameBuckets": {"minItems": 1, "items": AT_LEAST_1, "contains": {"const": 1}},
     "front.server.refreshS": POSITIVE,
+    "front.server.maxStreams": AT_LEAST_1,
 }
 
 

@@ -3,9 +3,9 @@
 Runs the codec tier's decoder as a replica does (megapod/doctor/codec.py: graphs captured on a GPU and
 checked against eager, a seeded stream compared with one eager decode, the step under the sync checks,
 streaming and reference decoders timed by batch in fp32 and bf16, a gRPC replica serving streams) and
-vLLM as a worker does (the Orpheus 3B architecture with dummy weights on a GPU, the
-tiny model on CPU; frame-constrained streams checked; decode steps timed, with TRT-LLM attention
-on and off on a GPU). Prints what it found, the real-time streams per GPU those timings allow and
+vLLM as a worker does (megapod/doctor/llm.py: the Orpheus 3B architecture with dummy weights on a GPU,
+the tiny model on CPU; frame-constrained streams checked; decode steps timed with attention auto, and on
+a GPU FlashInfer with TRT-LLM attention on and off where its kernels are installed). Prints what it found, the real-time streams per GPU those timings allow and
 what to try where a check failed, and writes it all as JSON to share. Exit status 1 if a check failed.
 
     megapod doctor                      # this machine's GPU if it has one, else its CPU
