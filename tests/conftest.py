@@ -16,7 +16,7 @@ from snac_server.server import build_server
 
 
 # Hypothesis fails an example that runs over 200 ms by default: a wall-clock bound, which a loaded
-# 2-core machine crosses (a CI run beside other work failed test_prompt's property tests so).
+# 2-core machine can cross (test_prompt's property tests ran with it; the others set deadline=None).
 settings.register_profile("no-deadline", deadline=None)
 settings.load_profile("no-deadline")
 
