@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .topology import MegaPodConfig
 
-# What one codec replica with snac-server's defaults (max_batch 32, 1,024 stream slots) held on its GPU,
-# CUDA context included, serving: 1,891 MiB on an H200 (benchmarks/results/gpu-first-contact-h200.json,
-# codec_replica_serves.memory.process_gpu_mib). A larger max_batch needs more: the doctor's
+# What one codec replica with snac-server's defaults (max_batch 32, 1,024 stream slots) held on its GPU
+# once it had served 16 streams, its graphs, state and CUDA context included: 1,891 MiB on an H200
+# (benchmarks/results/gpu-first-contact-h200.json, codec_replica_serves.memory.process_gpu_mib; its
+# allocator's peak while serving, peak_reserved_mib, was 1,542 MiB). A larger max_batch needs more: the doctor's
 # codec_warm_up.graph_pool_mib says how much (3,956 MiB of graphs at 256).
 REPLICA_GPU_MIB = 1891
 SMALLEST_GPU_MIB = 81559  # an H100 80 GB, the smallest GPU a MegaPod is laid out for: shares are of it

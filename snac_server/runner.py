@@ -88,14 +88,15 @@ class DecoderRunner:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         if max_step_frames == 0:
             # On a GPU a forward holds at most a full step of 1-frame rows: a graph's memory grows with its
-            # frames (~12 MiB a frame in fp32), and the pool of a 256-row step of 16-frame rows was 52 GiB
-            # on an H200 (benchmarks/results/gpu-first-contact-h200-run1.json). A backlog of 16 frames
+            # frames (13-15 MiB a frame in fp32 on an H200), and the pool of a 256-row step of 16-frame rows
+            # was 52 GiB (benchmarks/results/gpu-first-contact-h200-run1.json; 3,956 MiB once capped at 256
+            # frames: gpu-first-contact-h200.json). A backlog of 16 frames
             # catches up in max_batch // 16 rows a forward instead.
             max_step_frames = CPU_STEP_FRAMES if self.device.type == "cpu" else max_batch
         self.max_step_frames = max_step_frames
         self.batch_sizes = batch_ladder(max_batch)
         self._graphs: dict[tuple[str, int, int], _Graph] = {}
-        self._ladders: dict[int, tuple[int, ...]] = {}  # frames per row -> the batch sizes captured (graph_ladders)
+        self._ladders = self.graph_ladders()  # frames per row -> the batch sizes captured for it
 
     def bind_thread(self) -> None:
         """Make the calling thread's current CUDA device the decoder's (the decode thread calls this).
@@ -114,7 +115,6 @@ class DecoderRunner:
                 self._forward(kind, n, self._example(kind, 1, n))
             return
         pool = torch.cuda.graph_pool_handle()
-        self._ladders = self.graph_ladders()
         # Largest first, so smaller graphs reuse the memory pool the largest one sized.
         for kind, n in sorted(shapes, key=lambda s: -s[1]):
             for batch in reversed(self._ladders[n]):

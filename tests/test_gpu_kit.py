@@ -113,3 +113,15 @@ def test_gpu_only_fields_say_not_measured_on_cpu(first_contact):
     assert gpu_only == ["not measured: cpu"] * 5
     assert report["checks"]["codec_warm_up"]["cuda_graphs"] == 0
     assert not {"llm_engine_starts", "attention"} & {*report["checks"], *report}
+
+
+def test_a_codec_figure_that_failed_is_reported_not_a_crash(monkeypatch):
+    """A timing that raised leaves its error where its figures would be; the report is still written."""
+    from megapod import doctor
+    from megapod.doctor import codec
+
+    error = {"ok": False, "detail": "RuntimeError: CUDA out of memory"}
+    monkeypatch.setattr(codec, "check_codec", lambda device, max_batch, quick: ({"codec_warm_up": {"ok": True}}, {"float32": error}))
+    report = doctor.examine("cpu", quick=True, codec_only=True)
+    assert report["figures"]["codec"]["float32"] == error and "realtime_streams_per_codec_gpu" not in report["figures"]
+    assert doctor.summary(report).startswith("megapod doctor on")

@@ -78,28 +78,22 @@ def _describe(device: str) -> str:
     return f"{names[0] if names else platform.machine()} ({len(names) or '?'} cores), torch threads {torch.get_num_threads()}"
 
 
-def _run_check(checks: dict[str, dict], name: str, fn, *args):
-    """Run one part; an exception becomes a failed check with its message, not a crash."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # the doctor reports what broke and goes on
-        checks[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"}
-        return None
-
-
 def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[str, dict], figures: dict, report: dict) -> None:
     from llm_server.config import LlmServerConfig
 
+    from .codec import failed
     from .llm import STEP_BUDGET_MS, check_llm, plan
 
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.empty_cache()  # the engine claims a share of what is free
-    with tempfile.TemporaryDirectory(prefix="megapod-doctor-") as workdir:
-        llm = _run_check(checks, "llm_engine_starts", lambda: asyncio.run(check_llm(
-            plan(device, Path(workdir), cache_dir or LlmServerConfig.cache_dir, quick))))
-    if llm is not None:
+    try:
+        with tempfile.TemporaryDirectory(prefix="megapod-doctor-") as workdir:
+            llm = asyncio.run(check_llm(plan(device, Path(workdir), cache_dir or LlmServerConfig.cache_dir, quick)))
+    except Exception as exc:  # the doctor reports what broke and goes on
+        checks["llm_engine_starts"] = failed(exc)
+    else:
         checks["llm_engine_starts"] = {"ok": True, "detail": f"vLLM up in {llm.pop('start_s')} s", "engine": llm.pop("engine")}
         checks["llm_frame_constraint"] = llm.pop("frame_constraint")
         figures["llm"] = llm
@@ -120,7 +114,7 @@ def examine(device: str, quick: bool, cache_dir: str | None = None, codec_only: 
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "codec_only": codec_only}
     checks, codec = check_codec(device, max_batch, quick)
     figures: dict[str, object] = {"codec": codec}
-    if "float32" in codec:
+    if "streaming" in codec.get("float32", {}):  # a figure that failed holds its error instead
         figures["realtime_streams_per_codec_gpu"] = codec["float32"]["streaming"]["realtime_streams"]
     if not codec_only:
         _examine_llm(device, quick, cache_dir, checks, figures, report)

@@ -50,18 +50,26 @@ def _frames(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4096, size=(n, 7)).astype(np.int32)
 
 
-def _failed(exc: BaseException) -> dict[str, object]:
+def failed(exc: BaseException) -> dict[str, object]:
+    """A part that raised, as a failed check: its error and where it came from."""
     return {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=-4)}
 
 
-def _part(checks: dict[str, dict], name: str, fn: Callable[[], dict]) -> dict | None:
-    """Run one check; its exception becomes a failed check (with where it came from), not a crash."""
+def _run(name: str, fn: Callable[[], dict]) -> dict:
+    """One part's result, or what stopped it (the doctor reports what broke and goes on); logged at once,
+    so it is in the log even if a later part hangs."""
     try:
-        checks[name] = fn()
-    except Exception as exc:  # the doctor reports what broke and goes on
-        checks[name] = _failed(exc)
-    log.info("%s: %s", name, json.dumps(checks[name], default=str))  # in the log even if a later part hangs
-    return checks[name] if checks[name].get("ok") else None
+        found = fn()
+    except Exception as exc:
+        found = failed(exc)
+    log.info("%s: %s", name, json.dumps(found, default=str))
+    return found
+
+
+def _part(checks: dict[str, dict], name: str, fn: Callable[[], dict]) -> bool:
+    """Run one check into `checks`; whether it passed."""
+    checks[name] = _run(name, fn)
+    return bool(checks[name].get("ok"))
 
 
 def _runner(device: str, dtype: str, max_batch: int, buckets: tuple[int, ...]) -> DecoderRunner:
@@ -181,12 +189,11 @@ def step_never_syncs(runner: DecoderRunner) -> dict[str, object]:
     eager_args = [t.to(runner.device) for t in _step_inputs(runner, 1, 0, True)]
     findings = [str(f) for f in host_syncs(runner.streaming, *eager_args)]
     result: dict[str, object] = {"detector_findings": findings}
-    if runner.device.type == "cuda":
+    if runner.device.type == "cuda":  # the doctor's runners capture graphs wherever there is a GPU
         staged = _step_inputs(runner, min(3, runner.max_batch), 0, True)
         result["cuda_sync_debug"] = {"eager step": _cuda_syncs(lambda: runner.streaming(*eager_args)),
-                                     "replayed step": _cuda_syncs(lambda: runner._forward("step", 1, staged)) if runner.use_graphs
-                                     else "no graphs"}
-        ok = not findings and not any(v for v in result["cuda_sync_debug"].values() if v != "no graphs")
+                                     "replayed step": _cuda_syncs(lambda: runner._forward("step", 1, staged))}
+        ok = not findings and not any(result["cuda_sync_debug"].values())
     else:
         result["cuda_sync_debug"] = NOT_ON_CPU
         ok = not findings
@@ -278,16 +285,6 @@ def half_precision(device: str, max_batch: int, repeats: int) -> dict[str, objec
     return {**found, **speed(runner, repeats)}
 
 
-def _figure(name: str, fn: Callable[[], dict]) -> dict:
-    """A figure, or what stopped it (figures are not checks: they do not fail the doctor)."""
-    try:
-        found = fn()
-    except Exception as exc:  # report and go on, as _part does
-        found = _failed(exc)
-    log.info("%s: %s", name, json.dumps(found, default=str))
-    return found
-
-
 def _free_device_memory() -> None:
     """Give back what a dropped runner held (its graphs' pool too), so the next part starts from empty."""
     gc.collect()
@@ -305,15 +302,15 @@ def check_codec(device: str, max_batch: int, quick: bool) -> tuple[dict[str, dic
     try:
         runner = _runner(device, "float32", max_batch, FRAME_BUCKETS)
     except Exception as exc:  # the decoder could not even be built
-        checks["codec_warm_up"] = _failed(exc)
-    if runner is not None and _part(checks, "codec_warm_up", lambda: warm_up(runner)) is not None:
+        checks["codec_warm_up"] = failed(exc)
+    if runner is not None and _part(checks, "codec_warm_up", lambda: warm_up(runner)):
         _part(checks, "codec_graph_equals_eager", lambda: graph_equals_eager(runner))
         _part(checks, "codec_streaming_equals_full_decode", lambda: streaming_equals_full_decode(runner))
         _part(checks, "codec_step_never_syncs", lambda: step_never_syncs(runner))
-        figures["float32"] = _figure("float32", lambda: speed(runner, repeats))
+        figures["float32"] = _run("float32", lambda: speed(runner, repeats))  # a figure: it fails no check
     runner = None
     _free_device_memory()
-    figures["bfloat16"] = _figure("bfloat16", lambda: half_precision(device, max_batch, repeats))
+    figures["bfloat16"] = _run("bfloat16", lambda: half_precision(device, max_batch, repeats))
     _free_device_memory()
     figures["half_precision_warn_below_db"] = WARN_SNR_DB
     _part(checks, "codec_replica_serves", lambda: replica_serves(device, 2 if quick else 16, quick))
