@@ -63,10 +63,36 @@ def megapod(tmp_path_factory):
         yield up
 
 
+@pytest.fixture(scope="session")
+def worker_stack(tmp_path_factory):
+    """One LLM worker (real vLLM on the CPU, the tiny model) over two codec replicas, as processes on
+    loopback: started once for every test that drives a worker directly (test_llm_server, test_overload,
+    test_worker_drain). It admits WORKER_MAX_STREAMS streams and drains for up to 120 s on SIGTERM, the
+    union of what those tests need; test_worker_drain ends it, so it runs last."""
+    from processes import WORKER_MAX_STREAMS, llm_process, snac_process
+
+    logs = tmp_path_factory.mktemp("worker-logs")
+    replicas = [snac_process().start(logs) for _ in range(2)]
+    worker = llm_process([r.port for r in replicas], "--max-streams", str(WORKER_MAX_STREAMS), "--grace-s", "120").start(logs)
+    stack = {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}", "logs": logs}
+    try:
+        for r in replicas:
+            r.wait_ready()
+        worker.wait_ready()
+        yield stack
+    finally:
+        for p in [stack["worker"], *stack["replicas"]]:  # replicas a test restarted included
+            p.stop()
+
+
+STOPPERS = ("stops_the_megapod", "stops_the_worker")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "stops_the_megapod: ends the session's `megapod up`, so it runs after every other test")
+    config.addinivalue_line("markers", "stops_the_worker: ends the session's worker_stack, so it runs after every other test")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked stops_the_megapod end the session's stack: they run after every other test."""
-    items.sort(key=lambda item: item.get_closest_marker("stops_the_megapod") is not None)  # stable: order kept
+    """Tests that end a session's stack run after every other test."""
+    items.sort(key=lambda item: any(item.get_closest_marker(m) for m in STOPPERS))  # stable: order kept

@@ -18,6 +18,7 @@ from megapod.launcher import Child, free_ports
 
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
 UNBUFFERED = {"PYTHONUNBUFFERED": "1"}  # a log's tail is up to date when a test fails
+WORKER_MAX_STREAMS = 8  # conftest.worker_stack's admission cap
 
 
 @dataclass
@@ -77,7 +78,7 @@ def unhang(proc: Child) -> None:
 def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | None = None) -> Iterator[dict]:
     """`megapod up` on free ports (real vLLM on the CPU, random weights), as a user runs it, until its
     front is ready; SIGINT (then SIGKILL of all it started) at the end: the benchmarks' LocalStack.
-    Yields proc (the Popen), log, url, workers and replicas (counts) and ports (front, workers / snac /
+    Yields proc (the Popen), log, url, workers and replicas (counts), max_streams (per worker) and ports (front, workers / snac /
     metrics: each tier's base port)."""
     # Imported here: pytest puts benchmarks/ on the path, test files run as scripts do not.
     from concurrency_bench.stack import LocalStack
@@ -92,7 +93,7 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
         stack.wait_ready(420)  # the front serves once every worker and replica is ready
         config = stack.config
         yield {"proc": stack.child.popen, "log": stack.child.log_path, "url": stack.url,
-               "workers": config.workers, "replicas": config.replicas,
+               "workers": config.workers, "replicas": config.replicas, "max_streams": config.max_streams_per_worker,
                "ports": {"front": config.front_port, "workers": config.worker_base_port,
                          "snac": config.snac_base_port, "metrics": config.snac_metrics_base_port}}
     finally:

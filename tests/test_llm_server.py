@@ -17,25 +17,14 @@ import numpy as np
 import openai
 import pytest
 
-from processes import llm_process, scrape, snac_process, wait_metric_zero
-
-MAX_STREAMS = 8
+from processes import WORKER_MAX_STREAMS as MAX_STREAMS
+from processes import scrape, snac_process, wait_metric_zero
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """Two codec replicas and one LLM worker, as processes on loopback."""
-    logs = tmp_path_factory.mktemp("logs")
-    replicas = [snac_process().start(logs) for _ in range(2)]
-    worker = llm_process([r.port for r in replicas], "--max-streams", str(MAX_STREAMS)).start(logs)
-    try:
-        for r in replicas:
-            r.wait_ready()
-        worker.wait_ready()
-        yield {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}", "logs": logs}
-    finally:
-        for p in [worker, *replicas]:
-            p.stop()
+def stack(worker_stack):
+    """The session's worker over two codec replicas (conftest.worker_stack)."""
+    return worker_stack
 
 
 def _frames_generated(stack) -> float:

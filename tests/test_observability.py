@@ -31,10 +31,11 @@ import httpx
 import promql_parser
 import pytest
 import yaml
+from websockets.asyncio.client import connect
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
-from processes import megapod_up
+from processes import wait_metric_zero
 from prometheus_client.parser import text_string_to_metric_families
 
 from megapod.cluster import CPU, H100
@@ -506,50 +507,76 @@ def test_readme_lists_every_panel_and_alert() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """`megapod up`: one worker (real vLLM on the CPU, random weights) capped at one stream, one codec
-    replica, the front."""
-    with megapod_up(tmp_path_factory.mktemp("observability-logs"), workers=1, replicas=1, max_streams=1) as up:
-        yield up
+def stack(megapod):
+    """The session's `megapod up` (conftest.megapod): the front, workers on real vLLM (CPU, random
+    weights), codec replicas."""
+    return megapod
 
 
 class Scrape:
-    """One /metrics endpoint as read: series name -> label name -> values seen, and each name's total."""
+    """/metrics endpoints as read together: series name -> label name -> values seen, and each name's total."""
 
-    def __init__(self, port: int) -> None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
+    def __init__(self, *ports: int) -> None:
         self.labels: dict[str, dict[str, set[str]]] = {}
         self.totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = self.labels.setdefault(sample.name, {})
-                for key, value in sample.labels.items():
-                    labels.setdefault(key, set()).add(value)
-                self.totals[sample.name] = self.totals.get(sample.name, 0.0) + sample.value
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    labels = self.labels.setdefault(sample.name, {})
+                    for key, value in sample.labels.items():
+                        labels.setdefault(key, set()).add(value)
+                    self.totals[sample.name] = self.totals.get(sample.name, 0.0) + sample.value
 
 
-async def _speak_and_be_refused(url: str) -> tuple[int, int]:
-    """One speech request held open while a second one comes: the worker's one stream is taken, so
-    the second is refused. Returns (audio bytes of the first, status of the second)."""
+def _holding_context(context_id: str) -> str:
+    """A Cartesia context with no text yet: it holds its worker's stream slot, generating nothing, until
+    its client ends it."""
+    return json.dumps({"context_id": context_id, "transcript": "", "continue": True, "voice": {"mode": "id", "id": "tara"},
+                       "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
+
+
+async def _hold_every_slot(worker_ports: list[int], per_worker: int) -> list:
+    """Every stream slot of every worker taken."""
+    sockets = []
+    for port in worker_ports:
+        sockets.append(ws := await connect(f"ws://127.0.0.1:{port}/tts/websocket"))
+        for i in range(per_worker):
+            await ws.send(_holding_context(f"hold-{i}"))
+        await ws.send(_holding_context("one-more"))
+        refusal = json.loads(await asyncio.wait_for(ws.recv(), 60))  # after the contexts before it opened
+        assert (refusal["context_id"], refusal["status_code"]) == ("one-more", 429), refusal
+    return sockets
+
+
+async def _speak_and_be_refused(stack: dict) -> tuple[int, int]:
+    """One speech request through the front, whole; then every worker's slots held (straight at the
+    workers) while a second comes through the front: every worker refuses it, so the front does.
+    Returns (audio bytes of the first, status of the second)."""
     body = {"model": "tts-1", "input": "Hello there, operator.", "voice": "tara", "response_format": "pcm"}
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http, \
-            http.stream("POST", "/v1/audio/speech", json=body) as first:
+    workers = [stack["ports"]["workers"] + i for i in range(stack["workers"])]
+    async with httpx.AsyncClient(base_url=stack["url"], timeout=300) as http:
+        first = await http.post("/v1/audio/speech", json=body)
         assert first.status_code == 200
-        chunks = first.aiter_bytes()
-        received = len(await anext(chunks))  # the stream holds its slot now
-        second = await http.post("/v1/audio/speech", json={**body, "input": "Me too."})
-        async for chunk in chunks:
-            received += len(chunk)
-    return received, second.status_code
+        sockets = await _hold_every_slot(workers, stack["max_streams"])
+        try:
+            second = await http.post("/v1/audio/speech", json={**body, "input": "Me too."})
+        finally:
+            for ws in sockets:  # a barge-in: the worker frees the slots at once
+                await ws.close()
+    for i in range(stack["workers"]):  # the session's other tests get a free stack
+        assert wait_metric_zero(stack["ports"]["workers"] + i, "orpheus_active_streams", within_s=60) == 0
+    return len(first.content), second.status_code
 
 
 @pytest.fixture(scope="module")
 def exported(stack) -> dict[str, Scrape]:
-    received, refused = asyncio.run(_speak_and_be_refused(stack["url"]))
+    received, refused = asyncio.run(_speak_and_be_refused(stack))
     assert received > 0 and refused == 429
     ports = stack["ports"]
-    return {"worker": Scrape(ports["workers"]), "codec": Scrape(ports["metrics"]), "front": Scrape(ports["front"])}
+    return {"worker": Scrape(*(ports["workers"] + i for i in range(stack["workers"]))),
+            "codec": Scrape(*(ports["metrics"] + j for j in range(stack["replicas"]))), "front": Scrape(ports["front"])}
 
 
 def test_speech_gives_the_histograms_samples(exported) -> None:

@@ -1,7 +1,7 @@
 """Overload: a flood of requests far past the admission cap, against a real worker (vLLM CPU, tiny model)
 and a real codec replica.
 
-The worker's two stream slots are held by two Cartesia contexts that have not ended: a context keeps
+The worker's stream slots are all held by Cartesia contexts that have not ended: a context keeps
 its slot until its client ends it, so the flood meets a full worker however fast or slow anything on
 this machine runs. Every flood request must be refused (429, Retry-After, an OpenAI-shaped error), a
 new context on a socket too (the protocol's error), and a new socket with close code 1013. Then the
@@ -23,26 +23,20 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from concurrency_bench.flood import flood
-from processes import llm_process, scrape, snac_process, wait_metric_zero
+from processes import WORKER_MAX_STREAMS as CAP
+from processes import scrape, wait_metric_zero
 
-CAP = 2
 FLOOD_REQUESTS = 200
 BURST = 20  # concurrent requests per burst
+# Two of the holding contexts speak; the rest hold their slot with no text yet (no generation to wait for).
 TEXTS = ("Thanks for waiting. I found two flights tomorrow.", "Your order shipped today, it arrives Thursday.")
+TEXTS += ("",) * (CAP - len(TEXTS))
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("overload-logs")
-    replica = snac_process().start(logs)
-    llm = llm_process([replica.port], "--max-streams", str(CAP)).start(logs)
-    try:
-        replica.wait_ready()
-        llm.wait_ready()
-        yield llm
-    finally:
-        for p in (llm, replica):
-            p.stop()
+def worker(worker_stack):
+    """The session's worker (conftest.worker_stack): CAP stream slots."""
+    return worker_stack["worker"]
 
 
 def _context(context_id: str, text: str, more: bool) -> str:
@@ -50,16 +44,18 @@ def _context(context_id: str, text: str, more: bool) -> str:
                        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
 
 
-async def _overload(url: str) -> dict:
+async def _overload(url: str, port: int) -> dict:
     ws_url = url.replace("http://", "ws://") + "/tts/websocket"
     out: dict = {"audio": {}, "messages": {}}
     async with connect(ws_url) as holder:
-        for i, text in enumerate(TEXTS):  # both slots taken, and held until each context ends
+        for i, text in enumerate(TEXTS):  # every slot taken, and held until each context ends
             await holder.send(_context(f"hold-{i}", text, more=True))
         out["messages"] = {f"hold-{i}": [] for i in range(len(TEXTS))}
-        while any(not [m for m in msgs if m["type"] == "chunk"] for msgs in out["messages"].values()):
+        speaking = [f"hold-{i}" for i, text in enumerate(TEXTS) if text]
+        while any(not [m for m in out["messages"][c] if m["type"] == "chunk"] for c in speaking):
             message = json.loads(await holder.recv())
             out["messages"][message["context_id"]].append(message)
+        assert scrape(port, "orpheus_active_streams") == CAP  # the silent ones too, opened before the audio
         limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
         async with httpx.AsyncClient(timeout=60.0, limits=limits, trust_env=False) as client:
             out["flood"] = await flood(client, url, BURST, bursts=FLOOD_REQUESTS // BURST)
@@ -87,7 +83,7 @@ def run(worker):
     httpx.post(f"{url}/v1/audio/speech", json={"model": "tts-1", "input": "Warm up.", "voice": "tara"}, timeout=300)
     proc = psutil.Process(worker.popen.pid)
     frames, rss = scrape(worker.port, "orpheus_frames_total"), proc.memory_info().rss
-    out = asyncio.run(_overload(url))
+    out = asyncio.run(_overload(url, worker.port))
     out["frames"] = scrape(worker.port, "orpheus_frames_total") - frames
     out["active_after"] = wait_metric_zero(worker.port, "orpheus_active_streams", within_s=30)
     out["rss_growth_mb"] = (proc.memory_info().rss - rss) / 2**20

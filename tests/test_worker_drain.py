@@ -11,25 +11,19 @@ import httpx
 import numpy as np
 import pytest
 
-from processes import llm_process, scrape, snac_process
+from processes import scrape
 
 BODY = {"model": "tts-1", "input": "Draining should let this sentence finish before the worker exits.",
         "voice": "leo", "response_format": "pcm", "seed": 4242}
 
 
 @pytest.fixture
-def worker(tmp_path):
-    replica = snac_process().start(tmp_path)
-    proc = llm_process([replica.port], "--grace-s", "120").start(tmp_path)
-    try:
-        replica.wait_ready()
-        proc.wait_ready()
-        yield proc
-    finally:
-        for p in (proc, replica):
-            p.stop(signal.SIGKILL if p is proc else signal.SIGTERM)
+def worker(worker_stack):
+    """The session's worker (conftest.worker_stack: a drain grace of 120 s); this test ends it."""
+    return worker_stack["worker"]
 
 
+@pytest.mark.stops_the_worker
 def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(worker):
     url = f"http://127.0.0.1:{worker.port}/v1/audio/speech"
     # The same seed gives the same tokens: the undisturbed run says how long the audio must be.

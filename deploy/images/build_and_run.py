@@ -381,6 +381,11 @@ def build(engine: Engine, name: str, mirror_url: str) -> dict:
     context, flags = build_context(engine, dockerfile)
     log_path = engine.logs / f"build-{name}.log"
     engine(*cmd, *flags, str(context), log_to=log_path, timeout=3600)
+    # The build stage tagged too (all from the cache: seconds): the final image does not descend from
+    # it, so untagged, its layers (torch, the dependencies: most of a cold build) were removed by the
+    # first `image prune` of ensure_space, and every later build started cold.
+    stage = cmd[:cmd.index("-t")] + ["--target", "build", "-t", f"{tag}-build"] + cmd[cmd.index("-t") + 2:]
+    engine(*stage, *flags, str(context), log_to=engine.logs / f"build-{name}-stage.log", timeout=3600)
     seconds = time.perf_counter() - started
     text = log_path.read_text(errors="replace")
     steps = len(re.findall(r"^(?:(?:\[\d+/\d+\] )?STEP|Step) \d+/\d+", text, re.MULTILINE))  # podman | docker
