@@ -66,7 +66,7 @@ class MegaPodConfig:
 
     @property
     def random_weights(self) -> bool:
-        return self.llm_model == RANDOM_LLM or self.snac_model == RANDOM_SNAC
+        return self.llm_model == RANDOM_LLM or self.snac_model.startswith(RANDOM_SNAC)  # random-24khz[-small]
 
     def worker_ports(self) -> list[int]:
         return [self.worker_base_port + i for i in range(self.workers)]

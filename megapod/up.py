@@ -21,7 +21,7 @@ log = logging.getLogger("megapod")
 
 RANDOM_WEIGHTS_BANNER = """
   ************************************************************************************
-  *  RANDOM WEIGHTS: the LLM is `tiny` and/or SNAC is `random-24khz`. The stack runs  *
+  *  RANDOM WEIGHTS: the LLM is `tiny` and/or SNAC is `random-24khz*`. The stack runs *
   *  end to end, but the audio is noise. Give real checkpoints for real speech:       *
   *    megapod up --llm-model canopylabs/orpheus-3b-0.1-ft \\                          *
   *               --snac-model hubertsiuzdak/snac_24khz   (or MEGAPOD_LLM_MODEL=...)  *

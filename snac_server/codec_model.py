@@ -22,7 +22,6 @@ from .noise import NoiseContext, PositionalNoise, fold_seed
 
 log = logging.getLogger(__name__)
 
-RANDOM_MODEL = "random-24khz"
 HF_MODEL_ID = "hubertsiuzdak/snac_24khz"
 
 # The published config of hubertsiuzdak/snac_24khz; `random-24khz` builds exactly this.
@@ -39,17 +38,22 @@ SNAC_24KHZ_CONFIG = {
     "noise": True,
     "depthwise": True,
 }
+# Random weights, no download: `random-24khz` is the real architecture, at its real cost;
+# `random-24khz-small` the same layout (rates, strides, codebooks: the same frames, the same 2048
+# samples per frame, the same streaming state machinery) at 1/16 of the decoder's width, about
+# 1/37 of its decode cost on a CPU core: for tests and demos where the codec's cost is not measured.
+RANDOM_MODELS = {"random-24khz": SNAC_24KHZ_CONFIG, "random-24khz-small": {**SNAC_24KHZ_CONFIG, "decoder_dim": 64}}
 
 
 def load_snac(model: str, seed: int = 0) -> SNAC:
     """Load SNAC from a local directory or a Hugging Face id (cache first), or build it random.
 
-    `random-24khz` builds the real 24 kHz architecture with weights seeded by `seed`, so a
-    fresh machine with no download gets a model of the right shape and cost.
+    A RANDOM_MODELS name builds its architecture with weights seeded by `seed`, so a fresh machine
+    with no download gets a model of the right shape (`random-24khz`: and cost).
     """
-    if model == RANDOM_MODEL:
+    if model in RANDOM_MODELS:
         torch.manual_seed(seed)
-        snac = SNAC(**SNAC_24KHZ_CONFIG)
+        snac = SNAC(**RANDOM_MODELS[model])
     else:  # a local directory, or a Hugging Face id resolved through the local cache first
         snac = SNAC.from_pretrained(model)
     if snac.sampling_rate != 24000 or list(snac.vq_strides) != [4, 2, 1]:

@@ -28,7 +28,7 @@ class SnacServerConfig:
     # Plaintext grpc.health.v1 only (no Decode), for the kubelet's gRPC probes, which cannot speak TLS:
     # the same statuses as `port`. -1 disables (like metrics_port), 0 picks a free port.
     health_port: int = -1
-    model: str = "random-24khz"  # local dir, Hugging Face id, or random-24khz (no download)
+    model: str = "random-24khz"  # local dir, Hugging Face id, or random-24khz[-small] (no download)
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     dtype: str = "float32"
     max_batch: int = 32  # rows per decode step

@@ -19,6 +19,9 @@ from megapod.launcher import Child, free_ports
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
 UNBUFFERED = {"PYTHONUNBUFFERED": "1"}  # a log's tail is up to date when a test fails
 WORKER_MAX_STREAMS = 8  # conftest.worker_stack's admission cap
+# The codec of end-to-end stacks: the real layout at 1/16 width (snac_server.codec_model.RANDOM_MODELS),
+# so their audio costs a fraction of the real decoder's CPU; the codec tier's own tests use the real one.
+TEST_CODEC = "random-24khz-small"
 
 
 @dataclass
@@ -36,7 +39,7 @@ def snac_process(port: int | None = None, *extra: str) -> Server:
     metrics, fresh = free_ports(2)  # distinct: two separate calls could return the same port
     port = port or fresh
     args = [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port),
-            "--metrics-port", str(metrics), "--device", "cpu", "--max-wait-ms", "10", *extra]
+            "--metrics-port", str(metrics), "--device", "cpu", "--model", TEST_CODEC, "--max-wait-ms", "10", *extra]
     return Server("snac_server", args, None, f"grpc://127.0.0.1:{port}", UNBUFFERED, metrics_port=metrics)
 
 
@@ -84,7 +87,7 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
     from concurrency_bench.stack import LocalStack
 
     flags = ["--workers", str(workers), "--replicas", str(replicas), "--enforce-eager", "true",
-             "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu"]
+             "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC]
     flags += ["--max-streams-per-worker", str(max_streams)] if max_streams else []
     stack = LocalStack("up", flags, log_dir)
     stack.plan(set())

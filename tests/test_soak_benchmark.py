@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from processes import TEST_CODEC
+
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 FORMATS = ["pcm", "wav", "mp3", "opus", "aac", "flac"]
 
@@ -19,6 +21,7 @@ def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(tmp_
     out = tmp_path / "soak.json"
     done = subprocess.run([sys.executable, str(BENCHMARK), "--minutes", "0.1", "--concurrency", "1", "--doors", "1",
                            "--overload", "--overload-rounds", "2", "--replays", "1", "--kinds", "short",
+                           "--megapod-args", f"--replicas 2 --enforce-eager true --snac-model {TEST_CODEC}",
                            "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

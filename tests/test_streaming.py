@@ -207,3 +207,19 @@ def test_other_cpu_kernels_stay_within_one_s16_step(streaming, tmp_path, kernels
 if __name__ == "__main__":  # python tests/test_streaming.py OUT.npy THREADS: stepped_audio in a process of its own
     torch.set_num_threads(int(sys.argv[2]))
     np.save(sys.argv[1], stepped_audio(StreamingDecoder(build_decoder("random-24khz", "cpu", "float32", SLOTS), SLOTS), 0))
+
+
+def test_the_small_random_codec_streams_like_the_real_layout():
+    """random-24khz-small, the codec of the end-to-end tests: the real layout at 1/16 width, so the same
+    streaming delay, 2048 samples a frame, and its stream equal to its whole decode."""
+    small = build_decoder("random-24khz-small", "cpu", "float32", max_batch=1)
+    streaming = StreamingDecoder(small, num_slots=1)
+    assert streaming.delay == STREAMING_DELAY_SAMPLES
+    assert streaming.floats_per_slot() < 124_096 // 8, "narrower: less state a stream"
+    stream = Stream(random_frames(10, seed=3), seed=7, slot=0)
+    while stream.left:
+        step(streaming, [stream], 1)
+    reference = full(small, stream)
+    assert reference.shape == (10 * FRAME_SAMPLES,)
+    assert np.abs(stream.audio() - reference).max() <= TOLERANCE
+    assert np.abs(reference).mean() > 1e-3, "a silent decoder would make this comparison vacuous"

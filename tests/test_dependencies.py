@@ -1,0 +1,68 @@
+"""Every third-party package the product's code imports is declared in pyproject.toml with a floor: an
+install from the project's own files gets what the code needs, not what another package happened to pull."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parent.parent
+PRODUCT = ("codec_contract", "snac_server", "llm_server", "megapod")
+# Imported only by an optional backend, behind a clear error when missing (llm_server/trtllm_engine.py).
+OPTIONAL = {"tensorrt_llm": "--backend trtllm: NVIDIA's wheel, installed on the GPU hosts that choose it"}
+
+
+def imported_packages() -> dict[str, set[str]]:
+    """Top-level third-party modules imported anywhere in the product (lazily or not) -> the files."""
+    found: dict[str, set[str]] = {}
+    for package in PRODUCT:
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for top in {name.split(".")[0] for name in names} - set(PRODUCT) - sys.stdlib_module_names:
+                    found.setdefault(top, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def declared() -> dict[str, Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements = [*project["dependencies"], *extras["cpu"], *extras["gpu"]]  # the engine: one of the two
+    return {canonicalize_name(r.name): r for r in map(Requirement, requirements)}
+
+
+def test_every_imported_package_is_declared():
+    distributions = importlib.metadata.packages_distributions()
+    wanted = declared()
+    missing = {}
+    for module, files in sorted(imported_packages().items()):
+        if module in OPTIONAL:
+            continue
+        names = {canonicalize_name(d) for d in distributions.get(module, [])}
+        assert names, f"{module} (imported by {sorted(files)}) is not installed"
+        if not names & set(wanted):
+            missing[module] = (sorted(names), sorted(files)[:3])
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+
+
+def test_every_declared_package_has_a_floor():
+    unbounded = [str(r) for r in declared().values() if not any(s.operator in (">=", "==", "~=") for s in r.specifier)]
+    assert not unbounded, f"no lower bound: {unbounded}"
+
+
+def test_the_walk_sees_imports_inside_functions():
+    """The lazy imports (the doctor's, the model source's) count: a walk of top-level imports alone would
+    have missed transformers, which llm_server imports only when it builds the tiny model."""
+    found = imported_packages()
+    assert "llm_server/model_source.py" in found["transformers"] and "megapod/front.py" in found["anyio"]
