@@ -17,11 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
+from orpheus_common.http import error_response
+
 from . import cartesia, deepgram, openai_speech, request_log
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
-from .errors import ApiError, error_response
+from .errors import ApiError
 from .runtime import Runtime
 
 

@@ -23,7 +23,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import error_response
+from orpheus_common.http import error_response
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_response
+from orpheus_common.http import error_response
 
 
 class BodyLimitMiddleware:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from codec_contract.audio import POLICIES
-from snac_server.config import config_from_args
+from orpheus_common.settings import config_from_args
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.

@@ -1,19 +1,10 @@
-"""The OpenAI error body, `{"error": {"message", "type", "param", "code"}}`, as one JSONResponse.
-
-A JSONResponse is itself an ASGI app, so pure-ASGI middlewares (body limit, API keys) answer
-with the same builder the endpoints use: `await error_response(...)(scope, receive, send)`.
-"""
+"""A client error the endpoints raise, answered as the OpenAI error body (orpheus_common.http)."""
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+from orpheus_common.http import error_response
 
 
 class ApiError(Exception):

@@ -1,26 +1,16 @@
-"""llm-server: one worker (engine + HTTP API) under uvicorn, drained on SIGTERM.
-
-On SIGTERM uvicorn stops listening (new connections are refused, so a load balancer sends new
-streams elsewhere), closes idle keep-alive connections, lets in-flight StreamingResponses run
-to their end for up to `grace_s` (then cancels them, which releases their slots and engine
-requests), and runs the lifespan shutdown. Two gaps are filled here: /ready answers 503 from
-the signal on (for connections still open), and the process exits 0 after a drain instead of
-uvicorn re-raising the signal at itself (a worker that drained cleanly did not fail).
+"""llm-server: one worker (engine + HTTP API) under uvicorn, drained on SIGTERM (orpheus_common/draining.py):
+in-flight streams run to their end for up to `grace_s` (then are cancelled, which releases their slots
+and engine requests), /ready answers 503 from the signal on, and a clean drain exits 0.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import FrameType
 
 import uvicorn
-from uvicorn.server import HANDLED_SIGNALS
-from fastapi import FastAPI
+
+from orpheus_common.draining import DrainingServer
 
 from . import request_log
 from .api import create_app
@@ -28,31 +18,6 @@ from .auth import ApiKeysError
 from .config import LlmServerConfig, llm_config_from_cli
 
 log = logging.getLogger(__name__)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, marking the app as draining on SIGTERM/SIGINT and exiting normally after."""
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        app: FastAPI = self.config.app
-        if not app.state.draining:
-            app.state.draining = True
-            log.info("%s: draining in-flight streams (up to %s s), refusing new connections",
-                     signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
-        super().handle_exit(sig, frame)
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """uvicorn 0.54's capture_signals without its re-raising of the signal once the drain is done."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 def run(config: LlmServerConfig) -> None:

@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from orpheus_common.http import TRY_AGAIN_LATER
+
 from .config import LlmServerConfig
 
 log = logging.getLogger(__name__)
 
-TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded; the client should reconnect later
 MAX_MESSAGE_CHARS = 65_536  # one text message; longer ones are refused, not parsed
 MAX_CONTEXTS = 64  # open contexts (or queued flush groups) per socket
 

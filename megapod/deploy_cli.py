@@ -7,7 +7,7 @@
     kubectl kustomize k8s/overlays/cpu | megapod deploy --manifest -
 
 The topology flags are the MegaPodConfig fields megapod/render.py passes to the chart, read as
-`megapod up` reads them (snac_server.config.add_field_flags); their defaults are the profile's
+`megapod up` reads them (orpheus_common.settings.add_field_flags); their defaults are the profile's
 (megapod/cluster.py).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from snac_server.config import add_field_flags, field_values
+from orpheus_common.settings import add_field_flags, field_values
 
 from .cluster import PROFILES, ClusterProfile
 from .deploy import DeployError, KubeApis, apply_all, deployments_of, describe, endpoints, wait_for_rollouts

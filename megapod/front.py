@@ -31,9 +31,8 @@ from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from llm_server.errors import error_response
-from llm_server.ws_util import TRY_AGAIN_LATER
-from snac_server.config import config_from_args
+from orpheus_common.http import TRY_AGAIN_LATER, error_response
+from orpheus_common.settings import config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -447,10 +446,10 @@ def front_config_from_cli(argv: Sequence[str] | None) -> FrontConfig:
 
 def serve_front(config: FrontConfig) -> None:
     """Run the front alone until SIGTERM: it then stops accepting, says 503 on /ready, and lets
-    the streams in flight finish for up to grace_s (the worker's drain: llm_server/server.py)."""
+    the streams in flight finish for up to grace_s (orpheus_common/draining.py, as a worker does)."""
     import uvicorn
 
-    from llm_server.server import DrainingServer  # the worker's drain; imported here, not by `megapod say`
+    from orpheus_common.draining import DrainingServer  # imported here, not by `megapod say`
 
     app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s, max_streams=config.max_streams)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=None,

@@ -60,7 +60,8 @@ from megapod.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app,
 from megapod.launcher import Child, free_ports
 from megapod.render import CHART, REPO, HelmRender, parse_manifests
 from megapod.topology import MegaPodConfig
-from snac_server.config import SnacServerConfig, config_from_args
+from orpheus_common.settings import config_from_args
+from snac_server.config import SnacServerConfig
 from snac_server.server import build_server
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -415,7 +416,7 @@ def _run_worker(host: str, port: int, snac_address: str, grace_s: float) -> None
     from llm_server.config import LlmServerConfig
     from llm_server.metrics import LlmMetrics
     from llm_server.runtime import Runtime, codec_client_config
-    from llm_server.server import DrainingServer
+    from orpheus_common.draining import DrainingServer
     from llm_server.speech import SpeechPipeline
 
     async def serve() -> None:

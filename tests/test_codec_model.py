@@ -16,7 +16,7 @@ from snac import SNAC
 from torch.nn.utils import parametrize
 
 from conftest import random_frames
-from megapod.sync_detector import host_syncs
+from orpheus_common.sync_detector import host_syncs
 from snac_server.codec_model import (
     REFUSE_SNR_DB, SNAC_24KHZ_CONFIG, WARN_SNR_DB, HalfPrecisionTooNoisy, SnacDecoder, build_decoder,
     check_half_precision, load_snac,

@@ -1,5 +1,6 @@
-"""Every third-party package the product's code imports is declared in pyproject.toml with a floor: an
-install from the project's own files gets what the code needs, not what another package happened to pull."""
+"""What the product's code imports: every third-party package declared in pyproject.toml with a floor (an
+install from the project's own files gets what the code needs, not what another package happened to pull),
+and the layers kept: neither tier imports the other or `megapod`, and the front imports neither tier."""
 
 from __future__ import annotations
 
@@ -13,25 +14,29 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
-PRODUCT = ("codec_contract", "snac_server", "llm_server", "megapod")
+PRODUCT = ("codec_contract", "orpheus_common", "snac_server", "llm_server", "megapod")
 # Imported only by an optional backend, behind a clear error when missing (llm_server/trtllm_engine.py).
 OPTIONAL = {"tensorrt_llm": "--backend trtllm: NVIDIA's wheel, installed on the GPU hosts that choose it"}
 
 
+def imports_of(path: Path) -> set[str]:
+    """Top-level modules a file imports, anywhere in it (lazy imports in functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
 def imported_packages() -> dict[str, set[str]]:
-    """Top-level third-party modules imported anywhere in the product (lazily or not) -> the files."""
+    """Top-level third-party modules imported anywhere in the product -> the files."""
     found: dict[str, set[str]] = {}
     for package in PRODUCT:
         for path in (REPO / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                else:
-                    continue
-                for top in {name.split(".")[0] for name in names} - set(PRODUCT) - sys.stdlib_module_names:
-                    found.setdefault(top, set()).add(str(path.relative_to(REPO)))
+            for top in imports_of(path) - set(PRODUCT) - sys.stdlib_module_names:
+                found.setdefault(top, set()).add(str(path.relative_to(REPO)))
     return found
 
 
@@ -66,3 +71,24 @@ def test_the_walk_sees_imports_inside_functions():
     have missed transformers, which llm_server imports only when it builds the tiny model."""
     found = imported_packages()
     assert "llm_server/model_source.py" in found["transformers"] and "megapod/front.py" in found["anyio"]
+
+
+# What each part may import of the project: the shared packages, never a tier beside it or `megapod` above.
+LAYERS = {
+    "codec_contract": set(),
+    "orpheus_common": set(),
+    "snac_server": {"codec_contract", "orpheus_common"},
+    "llm_server": {"codec_contract", "orpheus_common"},
+    "megapod/front.py": {"orpheus_common"},  # the front relays; it runs without either tier installed
+}
+
+
+def test_no_layer_imports_past_its_own():
+    crossings = []
+    for part, allowed in LAYERS.items():
+        root = REPO / part
+        for path in [root] if root.is_file() else root.rglob("*.py"):
+            own = {part.split("/")[0]}
+            for name in (imports_of(path) & set(PRODUCT)) - allowed - own:
+                crossings.append(f"{path.relative_to(REPO)} imports {name}")
+    assert not crossings, crossings

@@ -44,7 +44,8 @@ from megapod.topology import MegaPodConfig
 from megapod.values_schema import leaves
 from codec_contract.api import codec_pb2
 from codec_contract.client import channel_credentials, tls_options
-from snac_server.config import SnacServerConfig, config_from_args
+from orpheus_common.settings import config_from_args
+from snac_server.config import SnacServerConfig
 from snac_server.server import server_credentials
 
 # Kubernetes versions every object is validated against: the oldest the chart supports

@@ -11,7 +11,7 @@ import sys
 import pytest
 from processes import TINY_CACHE
 
-from megapod.doctor.llm import STEP_BUDGET_MS, realtime_streams
+from llm_server.selfcheck import STEP_BUDGET_MS, realtime_streams
 
 CHECKS = {"codec_warm_up", "codec_graph_equals_eager", "codec_streaming_equals_full_decode", "codec_step_never_syncs",
           "codec_replica_serves", "llm_engine_starts", "llm_frame_constraint"}

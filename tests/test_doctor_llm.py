@@ -8,7 +8,7 @@ import importlib.metadata
 
 import pytest
 
-import megapod.doctor.llm as llm
+import llm_server.selfcheck as llm
 from llm_server.config import LlmServerConfig
 from processes import TINY_CACHE
 

@@ -16,7 +16,7 @@ from llm_server.audio_tokens import CODES_PER_FRAME, END_OF_SPEECH, slot_range
 from llm_server.frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
 from llm_server.slot_mask import blocked_ids
 from llm_server.trtllm_engine import FrameMask
-from megapod.sync_detector import host_syncs
+from orpheus_common.sync_detector import host_syncs
 
 VOCAB = 156_940
 CPU = torch.device("cpu")

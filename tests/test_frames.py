@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapod.sync_detector import host_syncs
+from orpheus_common.sync_detector import host_syncs
 from codec_contract.audio import pack_frames, unpack_frames
 from snac_server.frames import InvalidFrames, frames_to_levels, validate_codes
 

@@ -19,7 +19,7 @@ import pytest
 
 from megapod.front import KEEPALIVE
 from megapod.launcher import Child, free_ports
-from paced_worker import CHUNK_BYTES, CHUNKS, INTERVAL_S, SPEECH_PATHS
+from paced_worker import CHUNK_BYTES, CHUNKS, SPEECH_PATHS
 
 CUTS = 210  # past the pool's old 100, over every relayed path
 AT_ONCE = 10

@@ -118,7 +118,7 @@ def test_gpu_only_fields_say_not_measured_on_cpu(first_contact):
 def test_a_codec_figure_that_failed_is_reported_not_a_crash(monkeypatch):
     """A timing that raised leaves its error where its figures would be; the report is still written."""
     from megapod import doctor
-    from megapod.doctor import codec
+    from snac_server import selfcheck as codec
 
     error = {"ok": False, "detail": "RuntimeError: CUDA out of memory"}
     monkeypatch.setattr(codec, "check_codec", lambda device, max_batch, quick: ({"codec_warm_up": {"ok": True}}, {"float32": error}))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import random_frames
-from megapod.sync_detector import host_syncs
+from orpheus_common.sync_detector import host_syncs
 from snac_server.batcher import MicroBatcher
 from snac_server.codec_model import build_decoder
 from snac_server.metrics import SnacMetrics

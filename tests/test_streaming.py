@@ -17,7 +17,7 @@ import torch
 from codec_contract.api import codec_pb2
 from codec_contract.audio import FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, STREAMING_DELAY_SAMPLES
 from conftest import random_frames
-from megapod.sync_detector import host_syncs
+from orpheus_common.sync_detector import host_syncs
 from snac_server.codec_model import build_decoder
 from snac_server.noise import fold_seed
 from snac_server.service import encode_pcm

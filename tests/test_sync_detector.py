@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapod.sync_detector import HostSyncError, host_syncs, no_host_sync
+from orpheus_common.sync_detector import HostSyncError, host_syncs, no_host_sync
 
 X = torch.arange(12.0).reshape(3, 4)
 ROWS = torch.tensor([0, 2])  # built outside the checked code, like a buffer made at start-up

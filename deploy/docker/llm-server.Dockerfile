@@ -11,6 +11,7 @@ FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY codec_contract ./codec_contract
+COPY orpheus_common ./orpheus_common
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

@@ -1,9 +1,9 @@
 """`megapod doctor`: on first contact with a machine, does this stack work here, and how fast?
 
-Runs the codec tier's decoder as a replica does (megapod/doctor/codec.py: graphs captured on a GPU and
+Runs each tier's own self-check: the codec tier's decoder as a replica does (snac_server/selfcheck.py: graphs captured on a GPU and
 checked against eager, a seeded stream compared with one eager decode, the step under the sync checks,
 streaming and reference decoders timed by batch in fp32 and bf16, a gRPC replica serving streams) and
-vLLM as a worker does (megapod/doctor/llm.py: the Orpheus 3B architecture with dummy weights on a GPU,
+vLLM as a worker does (llm_server/selfcheck.py: the Orpheus 3B architecture with dummy weights on a GPU,
 the tiny model on CPU; frame-constrained streams checked; decode steps timed with attention auto, and on
 a GPU FlashInfer with TRT-LLM attention on and off where its kernels are installed). Prints what it found, the real-time streams per GPU those timings allow and
 what to try where a check failed, and writes it all as JSON to share. Exit status 1 if a check failed.
@@ -80,9 +80,8 @@ def _describe(device: str) -> str:
 
 def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[str, dict], figures: dict, report: dict) -> None:
     from llm_server.config import LlmServerConfig
-
-    from .codec import failed
-    from .llm import STEP_BUDGET_MS, check_llm, plan
+    from llm_server.selfcheck import STEP_BUDGET_MS, check_llm, plan
+    from orpheus_common.checks import failed
 
     if device.startswith("cuda"):
         import torch
@@ -106,7 +105,7 @@ def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[s
 def examine(device: str, quick: bool, cache_dir: str | None = None, codec_only: bool = False,
             max_batch: int | None = None) -> dict[str, object]:
     """Every check and figure, as the JSON report."""
-    from .codec import check_codec
+    from snac_server.selfcheck import check_codec
 
     started = time.perf_counter()
     max_batch = max_batch or (GPU_MAX_BATCH if device.startswith("cuda") else CPU_MAX_BATCH)

@@ -1,4 +1,5 @@
-"""The doctor's LLM-tier checks: vLLM on this machine, frame-constrained, and how fast it steps.
+"""The LLM tier's self-check, which `megapod doctor` runs: vLLM on this machine, frame-constrained, and how
+fast it steps.
 
 On a GPU the engine runs the Orpheus 3B architecture (its config ships here, weights are vLLM's
 `dummy` random ones: nothing is downloaded) with the worker's own engine adapter and its default
@@ -25,12 +26,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from llm_server.audio_tokens import frame_violations
-from llm_server.config import LlmServerConfig
-from llm_server.engine import Sampling
-from llm_server.model_source import resolve_model
-from llm_server.prompt import TOKENS_PER_SECOND, prompt_ids
-from llm_server.vllm_engine import VllmEngine
+from .audio_tokens import frame_violations
+from .config import LlmServerConfig
+from .engine import Sampling
+from .model_source import resolve_model
+from .prompt import TOKENS_PER_SECOND, prompt_ids
+from .vllm_engine import VllmEngine
 
 ORPHEUS_3B_CONFIG = Path(__file__).with_name("orpheus-3b-config.json")
 STEP_BUDGET_MS = 1000.0 / TOKENS_PER_SECOND  # one token per step per stream keeps a stream real time

@@ -1,4 +1,5 @@
-"""The doctor's codec-tier checks: the decoder as a replica runs it, and how many streams it carries.
+"""The codec tier's self-check, which `megapod doctor` runs: the decoder as a replica runs it, and how many
+streams it carries.
 
 Needs only torch, numpy, snac, grpcio (+ health, reflection), protobuf and prometheus-client, so it
 runs on a bare GPU node (deploy/gpu/first_contact.sh). In order, each part on its own (one that
@@ -24,20 +25,21 @@ import json
 import logging
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from codec_contract.audio import FRAME_SAMPLES, FRAME_SECONDS
-from megapod.sync_detector import host_syncs
-from snac_server.codec_model import WARN_SNR_DB, build_decoder
-from snac_server.config import SnacServerConfig
-from snac_server.noise import fold_seed
-from snac_server.runner import REFERENCE_WINDOW, DecoderRunner
-from snac_server.session import StreamStep, Window
-from snac_server.streaming import OPEN_END, StreamingDecoder, flush_frames
+from orpheus_common.checks import failed
+from orpheus_common.sync_detector import host_syncs
+
+from .codec_model import WARN_SNR_DB, build_decoder
+from .config import SnacServerConfig
+from .noise import fold_seed
+from .runner import REFERENCE_WINDOW, DecoderRunner
+from .session import StreamStep, Window
+from .streaming import OPEN_END, StreamingDecoder, flush_frames
 
 log = logging.getLogger("megapod.doctor")
 TOLERANCE = 1e-4  # max |streamed - full decode| in fp32, the same bound the CPU tests hold
@@ -48,11 +50,6 @@ MIB = 2**20
 
 def _frames(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4096, size=(n, 7)).astype(np.int32)
-
-
-def failed(exc: BaseException) -> dict[str, object]:
-    """A part that raised, as a failed check: its error and where it came from."""
-    return {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=-4)}
 
 
 def _run(name: str, fn: Callable[[], dict]) -> dict:
@@ -197,7 +194,7 @@ def step_never_syncs(runner: DecoderRunner) -> dict[str, object]:
     else:
         result["cuda_sync_debug"] = NOT_ON_CPU
         ok = not findings
-    result.update(ok=ok, detail="megapod.sync_detector on the step" + (
+    result.update(ok=ok, detail="orpheus_common.sync_detector on the step" + (
         "; torch.cuda.set_sync_debug_mode('error') on the eager and the replayed step" if runner.device.type == "cuda" else ""))
     return result
 
@@ -237,7 +234,7 @@ async def _serve_streams(config: SnacServerConfig, streams: int, frames: int) ->
 
     from codec_contract.api import codec_pb2_grpc
     from codec_contract.client import decode, header_request, paced_requests
-    from snac_server.server import build_server
+    from .server import build_server
 
     server, port = build_server(config)
     await server.start()

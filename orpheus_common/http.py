@@ -1,0 +1,19 @@
+"""The shapes every HTTP and WebSocket door speaks, whether a worker or the front answers.
+
+The OpenAI error body, `{"error": {"message", "type", "param", "code"}}`, as one JSONResponse. A
+JSONResponse is itself an ASGI app, so pure-ASGI middlewares (body limit, API keys) answer with the
+same builder the endpoints use: `await error_response(...)(scope, receive, send)`.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+TRY_AGAIN_LATER = 1013  # RFC 6455 close code: the server is overloaded; the client should reconnect later
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
