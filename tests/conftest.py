@@ -66,9 +66,10 @@ def megapod(tmp_path_factory):
 @pytest.fixture(scope="session")
 def worker_stack(tmp_path_factory):
     """One LLM worker (real vLLM on the CPU, the tiny model) over two codec replicas, as processes on
-    loopback: started once for every test that drives a worker directly (test_llm_server, test_overload,
-    test_worker_drain). It admits WORKER_MAX_STREAMS streams and drains for up to 120 s on SIGTERM, the
-    union of what those tests need; test_worker_drain ends it, so it runs last."""
+    loopback: started once for every test that drives a worker directly (test_http_fuzz, test_llm_server,
+    test_overload, test_worker_drain). It admits WORKER_MAX_STREAMS streams, has a 1024-token context and
+    drains for up to 120 s on SIGTERM, the union of what those tests need; test_worker_drain ends it, so it
+    runs last."""
     from processes import WORKER_MAX_STREAMS, llm_process, snac_process
 
     logs = tmp_path_factory.mktemp("worker-logs")

@@ -24,28 +24,17 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from processes import llm_process, snac_process, wait_metric_zero
+from processes import wait_metric_zero
 
 MAX_BODY_BYTES = 65536  # LlmServerConfig.max_body_bytes (the worker runs on defaults)
 MAX_INPUT_CHARS = 4096  # LlmServerConfig.max_input_chars
-# A short context keeps every accepted request short on 2 CPU cores (generation stops there).
-MAX_MODEL_LEN = "160"
+MAX_MODEL_LEN = 1024  # processes.llm_process's --max-model-len
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """Two codec replicas and one LLM worker, as processes on loopback."""
-    logs = tmp_path_factory.mktemp("logs")
-    replicas = [snac_process().start(logs) for _ in range(2)]
-    worker = llm_process([r.port for r in replicas], "--max-streams", "4", "--max-model-len", MAX_MODEL_LEN).start(logs)
-    try:
-        for r in replicas:
-            r.wait_ready()
-        worker.wait_ready()
-        yield {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}"}
-    finally:
-        for p in [worker, *replicas]:
-            p.stop()
+def stack(worker_stack):
+    """The session's worker over two codec replicas (conftest.worker_stack)."""
+    return worker_stack
 
 
 def _speech(stack, body=None, content=None, headers=None) -> httpx.Response:
@@ -275,9 +264,9 @@ def test_a_seed_outside_uint64_is_a_400(stack, seed):
 
 # -- text that tokenizes past the worker's context -------------------------------------------------
 
-# Within max_input_chars and one segment (max_segment_chars 280), but a few tokens a character: its
-# prompt is far over this worker's 160-token context. Schemathesis found it as a 503.
-DENSE = "Ω≈ç√∫˜µ≤≥÷åß∂ƒ©˙∆˚¬…æœ∑´®†¥¨ˆøπ“‘¡™£¢∞§¶•ªº–≠" * 3
+# Within max_input_chars and one segment (max_segment_chars 280), but 4 UTF-8 bytes a character, a token
+# a byte for this tokenizer: its prompt is over this worker's context. Schemathesis found it as a 503.
+DENSE = "𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 40
 DOORS = {
     "openai": ("/v1/audio/speech", {"model": "tts-1", "input": DENSE, "voice": "tara", "response_format": "pcm"}),
     "cartesia-bytes": ("/tts/bytes", {"model_id": "sonic-3", "transcript": DENSE, "voice": {"mode": "id", "id": "tara"},
@@ -293,7 +282,7 @@ def test_a_prompt_over_the_context_is_a_400_that_holds_nothing(stack, door):
     path, body = DOORS[door]
     r = httpx.post(f"{stack['url']}{path}", json=body, timeout=60)
     _assert_client_error(r, 400, code="context_length_exceeded")
-    assert "160 tokens" in r.json()["error"]["message"]
+    assert f"{MAX_MODEL_LEN} tokens" in r.json()["error"]["message"]
     port = stack["worker"].port
     assert wait_metric_zero(port, "orpheus_active_streams", within_s=30) == 0
     assert wait_metric_zero(port, "orpheus_engine_unfinished_requests", within_s=30) == 0
