@@ -116,7 +116,6 @@ async def test_300_concurrent_streams_none_waits_and_ready_answers_throughout(fr
         streams = asyncio.gather(*(stream(http) for _ in range(CONCURRENT)))
         await asyncio.gather(streams, probe_until(streams))
     assert streams.result() == [CHUNKS * CHUNK_BYTES] * CONCURRENT
-    # No stream waited for another to end: every first chunk came before any stream could have ended.
     # No stream waited for another to end (as streams past the 100th did): every first chunk came before
     # the first stream's end.
     assert max(first_chunks) < min(ends), (max(first_chunks) - started, min(ends) - started)
