@@ -1,6 +1,9 @@
 """A test double of an llm-server worker for the front's tests: every speech POST gets CHUNKS chunks of
 silent PCM, one every INTERVAL_S, and /stats says how its streams ended: `whole` (every chunk sent) or
-`cut` (the connection closed before the last). Run as `python tests/paced_worker.py PORT`."""
+`cut` (the connection closed before the last), and the most streams it held at once (`peak`). POST /hold
+{"streams": N} makes every stream wait after its first chunk until N are open at once (0: no wait): a
+client's N concurrent streams then end only if all N reached the worker together, whatever the machine's
+speed. Run as `python tests/paced_worker.py PORT`."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from starlette.routing import Route
 
 CHUNKS, INTERVAL_S, CHUNK_BYTES = 30, 0.1, 4800  # 3 s of 24 kHz s16 audio, 0.1 s a chunk
 SPEECH_PATHS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
-stats = {"active": 0, "started": 0, "whole": 0, "cut": 0}
+stats = {"active": 0, "started": 0, "whole": 0, "cut": 0, "peak": 0}
+hold = {"streams": 0, "all_open": asyncio.Event()}
 
 
 class CountedStream(StreamingResponse):
@@ -31,10 +35,15 @@ class CountedStream(StreamingResponse):
                 await asyncio.sleep(INTERVAL_S)
             yield b"\0" * CHUNK_BYTES
             self.sent += 1
+            if i == 0 and hold["streams"]:
+                await hold["all_open"].wait()
 
     async def __call__(self, scope, receive, send) -> None:
         stats["active"] += 1
         stats["started"] += 1
+        stats["peak"] = max(stats["peak"], stats["active"])
+        if hold["streams"] and stats["active"] >= hold["streams"]:
+            hold["all_open"].set()
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -55,8 +64,16 @@ async def report(request) -> JSONResponse:
     return JSONResponse(stats)
 
 
+async def set_hold(request) -> JSONResponse:
+    hold["streams"] = int((await request.json())["streams"])
+    hold["all_open"] = asyncio.Event()
+    stats["peak"] = stats["active"]
+    return JSONResponse({"streams": hold["streams"]})
+
+
 app = Starlette(routes=[*(Route(p, speech, methods=["POST"]) for p in SPEECH_PATHS), Route("/ready", ready),
-                        Route("/stats", report)])
+                        Route("/stats", report),
+                        Route("/hold", set_hold, methods=["POST"])])
 
 if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

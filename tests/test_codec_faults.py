@@ -123,11 +123,10 @@ async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
         for p in replicas:  # the undisturbed stream has left both, so the active count names the victim
             assert await asyncio.to_thread(wait_metric_zero, p.metrics_port, "snac_active_streams", 5.0) == 0
         audio, chunks, _, stream = await _run(client, frames, seed=5, on_chunk=hang_the_serving_replica)
-        took_s = time.monotonic() - hung[1]
 
         assert stream.failovers >= 1
-        assert "DEADLINE_EXCEEDED" in caplog.text  # the stall deadline moved it, not a dead connection
-        assert took_s < 12.0  # before keepalive alone (10 s + 5 s) would have noticed
+        # The stall deadline moved it (a cause, not a clock: keepalive's would be UNAVAILABLE, a dead connection).
+        assert "DEADLINE_EXCEEDED" in caplog.text
         _assert_whole(chunks, len(frames))
         assert audio.shape == undisturbed.shape == (40 * 2048,)
         assert np.abs(audio - undisturbed).max() <= 1e-4
