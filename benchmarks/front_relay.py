@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from concurrency_bench.metrics import percentiles
 from provenance import REPO_ROOT, record
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))
@@ -52,11 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p99": None, "max": None}
-    ordered = sorted(values)
-    return {"p50": round(statistics.median(ordered), 4), "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 4),
-            "max": round(ordered[-1], 4)}
+    return {**percentiles(values, (50, 99), digits=4), "max": round(max(values), 4) if values else None}
 
 
 async def _stream(http: httpx.AsyncClient, url: str, started: float, firsts: list[float], ends: list[float]) -> int:

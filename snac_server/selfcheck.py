@@ -41,7 +41,7 @@ from .runner import REFERENCE_WINDOW, DecoderRunner
 from .session import StreamStep, Window
 from .streaming import OPEN_END, StreamingDecoder, flush_frames
 
-log = logging.getLogger("megapod.doctor")
+log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # max |streamed - full decode| in fp32, the same bound the CPU tests hold
 FRAME_BUCKETS = SnacServerConfig.frame_buckets
 NOT_ON_CPU = "not measured: cpu"

@@ -8,6 +8,7 @@ engine's live generators, the codec tier's streams and this loop's tasks.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 from contextlib import asynccontextmanager
@@ -131,6 +132,14 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
 
 def body(text: str = "Hello there.", **kw) -> dict:
     return {"model": "tts-1", "input": text, "voice": "tara", "response_format": "pcm", **kw}
+
+
+def cartesia(context_id: str, transcript: str, more: bool = True, **extra) -> str:
+    """One Cartesia WebSocket message: a context's text (`more`: the context stays open), raw PCM at 24 kHz."""
+    message = {"transcript": transcript, "continue": more, "context_id": context_id, "model_id": "sonic-3",
+               "voice": {"mode": "id", "id": "tara"},
+               "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}, **extra}
+    return json.dumps(message)
 
 
 def pending_tasks() -> set[asyncio.Task]:

@@ -36,6 +36,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
 from processes import wait_metric_zero
+from served import cartesia
 from prometheus_client.parser import text_string_to_metric_families
 
 from megapod.cluster import CPU, H100
@@ -530,21 +531,14 @@ class Scrape:
                     self.totals[sample.name] = self.totals.get(sample.name, 0.0) + sample.value
 
 
-def _holding_context(context_id: str) -> str:
-    """A Cartesia context with no text yet: it holds its worker's stream slot, generating nothing, until
-    its client ends it."""
-    return json.dumps({"context_id": context_id, "transcript": "", "continue": True, "voice": {"mode": "id", "id": "tara"},
-                       "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
-
-
 async def _hold_every_slot(worker_ports: list[int], per_worker: int) -> list:
     """Every stream slot of every worker taken."""
     sockets = []
     for port in worker_ports:
         sockets.append(ws := await connect(f"ws://127.0.0.1:{port}/tts/websocket"))
         for i in range(per_worker):
-            await ws.send(_holding_context(f"hold-{i}"))
-        await ws.send(_holding_context("one-more"))
+            await ws.send(cartesia(f"hold-{i}", ""))  # no text yet: it holds its slot, generating nothing
+        await ws.send(cartesia("one-more", ""))
         refusal = json.loads(await asyncio.wait_for(ws.recv(), 60))  # after the contexts before it opened
         assert (refusal["context_id"], refusal["status_code"]) == ("one-more", 429), refusal
     return sockets

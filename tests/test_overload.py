@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from concurrency_bench.flood import flood
 from processes import WORKER_MAX_STREAMS as CAP
 from processes import scrape, wait_metric_zero
+from served import cartesia
 
 FLOOD_REQUESTS = 200
 BURST = 20  # concurrent requests per burst
@@ -39,17 +40,12 @@ def worker(worker_stack):
     return worker_stack["worker"]
 
 
-def _context(context_id: str, text: str, more: bool) -> str:
-    return json.dumps({"context_id": context_id, "transcript": text, "continue": more, "voice": {"mode": "id", "id": "tara"},
-                       "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
-
-
 async def _overload(url: str, port: int) -> dict:
     ws_url = url.replace("http://", "ws://") + "/tts/websocket"
     out: dict = {"audio": {}, "messages": {}}
     async with connect(ws_url) as holder:
         for i, text in enumerate(TEXTS):  # every slot taken, and held until each context ends
-            await holder.send(_context(f"hold-{i}", text, more=True))
+            await holder.send(cartesia(f"hold-{i}", text, more=True))
         out["messages"] = {f"hold-{i}": [] for i in range(len(TEXTS))}
         speaking = [f"hold-{i}" for i, text in enumerate(TEXTS) if text]
         while any(not [m for m in out["messages"][c] if m["type"] == "chunk"] for c in speaking):
@@ -59,13 +55,13 @@ async def _overload(url: str, port: int) -> dict:
         limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
         async with httpx.AsyncClient(timeout=60.0, limits=limits, trust_env=False) as client:
             out["flood"] = await flood(client, url, BURST, bursts=FLOOD_REQUESTS // BURST)
-        await holder.send(_context("one-more", "One too many.", more=False))
+        await holder.send(cartesia("one-more", "One too many.", more=False))
         async with connect(ws_url) as late:
             with pytest.raises(ConnectionClosed) as closed:
                 await late.recv()
         out["late_socket_close"] = closed.value.rcvd.code
         for i in range(len(TEXTS)):
-            await holder.send(_context(f"hold-{i}", "", more=False))
+            await holder.send(cartesia(f"hold-{i}", "", more=False))
         open_ = set(out["messages"]) | {"one-more"}
         while open_ & set(out["messages"]):
             message = json.loads(await asyncio.wait_for(holder.recv(), 300))

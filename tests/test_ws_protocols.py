@@ -14,7 +14,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from served import FRAME_BYTES, ScriptedEngineDouble, baseline, serving, settled
+from served import FRAME_BYTES, ScriptedEngineDouble, baseline, cartesia, serving, settled
 
 FRAME_SAMPLES = 2048
 NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks")}
@@ -22,13 +22,6 @@ NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "active_streams", "engine
 
 def ws_url(served, path: str) -> str:
     return served.url.replace("http://", "ws://") + path
-
-
-def cartesia(context_id: str, transcript: str, more: bool = True, **extra) -> str:
-    message = {"transcript": transcript, "continue": more, "context_id": context_id, "model_id": "sonic-3",
-               "voice": {"mode": "id", "id": "tara"},
-               "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}, **extra}
-    return json.dumps(message)
 
 
 async def until_done(ws, context_ids: set[str], timeout_s: float = 60.0) -> dict[str, list[dict]]:
