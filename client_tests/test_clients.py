@@ -88,6 +88,17 @@ async def test_pipecat_service_speaks(service):
     assert whole_frames(sum(len(f.audio) for f in audio) // 2)
 
 
+def until(done, first, within_s: float = 60.0):
+    """`first`, then the test's pause until `done()` (at most `within_s`): run_test reads its frames one by
+    one, sleeping at each SleepFrame, and ends the pipeline after the last. A fixed sleep here cost
+    15 s a test, most of it after the event."""
+    yield first
+    for _ in range(int(within_s / 0.1)):
+        if done():
+            return
+        yield SleepFrame(sleep=0.1)
+
+
 class BargeIn(FrameProcessor):
     """The user, as a voice agent's VAD reports them: speaks over the bot at its first audio."""
 
@@ -107,9 +118,8 @@ class BargeIn(FrameProcessor):
 async def test_pipecat_interruption_frees_the_engine_and_codec(service):
     before = requests_ended("cancelled")
     barge_in = BargeIn()
-    # The sleep only bounds the wait for the first audio (about a second on the 2-core CPU stack);
-    # the barge-in itself is event-driven.
-    await run_test(Pipeline([PIPECAT[service](), barge_in]), frames_to_send=[TTSSpeakFrame(text=LONG), SleepFrame(sleep=15.0)])
+    frames = until(lambda: barge_in.heard and requests_ended("cancelled") > before, TTSSpeakFrame(text=LONG))
+    await run_test(Pipeline([PIPECAT[service](), barge_in]), frames_to_send=frames)
     assert barge_in.heard, "audio was playing when the user spoke"
     assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
                                     "snac_active_streams": 0}

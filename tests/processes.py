@@ -51,11 +51,12 @@ def llm_process(snac_ports: list[int], *extra: str) -> Server:
     return Server("llm_server", args, None, f"http://127.0.0.1:{port}/ready", UNBUFFERED)
 
 
-def scrape(port: int, name: str) -> float:
-    """Sum of a Prometheus metric's samples from a /metrics endpoint."""
+def scrape(port: int, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples (those with `labels`, when given) from a /metrics endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def wait_metric_zero(port: int, name: str, within_s: float) -> float:

