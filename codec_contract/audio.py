@@ -9,6 +9,8 @@ the decoder's state exactly (SNAC's receptive field is as wide on the left).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import numpy as np
 
 from .api import codec_pb2
@@ -25,6 +27,8 @@ RESUME_CONTEXT_FRAMES = 3  # ceil(4757 / 2048): frames of left context that rebu
 REFERENCE_WINDOW = 4  # the reference decoder's window: 1 frame before the emitted one, 2 after
 
 POLICIES = {"streaming": codec_pb2.POLICY_STREAMING, "reference": codec_pb2.POLICY_REFERENCE}
+Policy = Literal["streaming", "reference"]  # a policy's name, as settings take it
+assert set(get_args(Policy)) == POLICIES.keys()
 DEFAULT_POLICY = "streaming"
 
 

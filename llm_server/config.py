@@ -1,17 +1,19 @@
 """LlmServerConfig: every setting of one llm-server worker, validated once, passed down.
 
-CLI flags and environment variables map one-to-one onto its fields: field `max_streams`
+Flags and environment variables map one-to-one onto its fields (orpheus_common/settings.py): field `max_streams`
 is flag `--max-streams` and variable `ORPHEUS_MAX_STREAMS`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Literal
 
-from codec_contract.audio import POLICIES
-from orpheus_common.settings import config_from_args
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from codec_contract.audio import Policy
+from orpheus_common.settings import CommaList, Settings
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
@@ -30,9 +32,10 @@ def parse_aliases(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-@dataclass(frozen=True)
-class LlmServerConfig:
+class LlmServerConfig(Settings):
     """Settings of one llm-server worker (HTTP API + engine + codec client)."""
+
+    model_config = SettingsConfigDict(env_prefix="ORPHEUS_", cli_prog_name="llm-server")
 
     host: str = "0.0.0.0"
     port: int = 8000
@@ -40,28 +43,28 @@ class LlmServerConfig:
     model: str = "tiny"
     tokenizer: str = ""  # defaults to the model's own
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "orpheus-megapod")
-    backend: str = "vllm"  # vllm | trtllm
+    backend: Literal["vllm", "trtllm"] = "vllm"
     served_model_name: str = "orpheus"
-    model_aliases: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-    voices: tuple[str, ...] = ORPHEUS_VOICES
+    model_aliases: CommaList[str] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+    voices: CommaList[str] = Field(ORPHEUS_VOICES, min_length=1)
     voice_aliases: str = OPENAI_VOICE_ALIASES
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
-    codec_policy: str = "streaming"  # streaming | reference (for comparison)
+    codec_policy: Policy = "streaming"  # reference: for comparison
     # A codec stream owed audio that gets none for this long fails over (a hung replica).
-    codec_stall_timeout_s: float = 10.0
+    codec_stall_timeout_s: float = Field(10.0, gt=0)
     # TLS to the codec tier: a CA file turns it on; cert+key add a client certificate.
     codec_tls_ca: str = ""
     codec_tls_cert: str = ""
     codec_tls_key: str = ""
     codec_tls_server_name: str = ""  # the name replicas' certificates carry, if not the address
     # Admission and input limits
-    max_streams: int = 16
-    max_input_chars: int = 4096
-    max_segment_chars: int = 280
+    max_streams: int = Field(16, ge=1)
+    max_input_chars: int = Field(4096, ge=1)
+    max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536
     # A client this many seconds of audio behind real time, while audio waits for it, is cut off.
-    max_client_lag_s: float = 30.0
+    max_client_lag_s: float = Field(30.0, gt=0)
     # Security: API keys file (lines `name:key[:max_streams]`, re-read when it changes); empty: open.
     api_keys_file: str = ""
     log_input_text: bool = False  # request text stays out of logs unless asked for
@@ -71,9 +74,9 @@ class LlmServerConfig:
     trim_silence_dbfs: float = -40.0
     trim_silence_max_ms: float = 500.0
     # Sampling defaults (the reference's; repetition penalty >= 1.1 keeps speech stable)
-    temperature: float = 0.6
-    top_p: float = 0.8
-    repetition_penalty: float = 1.1
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.8, gt=0, le=1)
+    repetition_penalty: float = Field(1.1, ge=1)
     # Engine
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"
@@ -87,32 +90,22 @@ class LlmServerConfig:
     # GPU attention (llm_server/attention.py): a vLLM backend name (FLASHINFER, FLASH_ATTN, ...) or auto,
     # and FlashInfer's TRT-LLM kernels (XQA decode on Hopper): auto | on | off.
     attention_backend: str = "auto"
-    trtllm_attention: str = "auto"
+    trtllm_attention: Literal["auto", "on", "off"] = "auto"
     load_format: str = "auto"  # `dummy`: real architecture, random weights (GPU benchmarks)
     enforce_eager: bool = False
     speculative_config: str = ""  # JSON, passed through to the engine
     grace_s: float = 30.0
 
-    def __post_init__(self) -> None:
-        if self.backend not in ("vllm", "trtllm"):
-            raise ValueError(f"backend must be vllm or trtllm, not {self.backend!r}")
-        if self.codec_policy not in POLICIES:
-            raise ValueError(f"codec_policy must be one of {sorted(POLICIES)}, not {self.codec_policy!r}")
-        if self.max_streams < 1 or self.max_input_chars < 1 or self.max_segment_chars < 16:
-            raise ValueError("max_streams and max_input_chars must be >= 1, max_segment_chars >= 16")
+    @model_validator(mode="after")
+    def _consistent(self) -> LlmServerConfig:
         unknown = set(self.voice_map.values()) - set(self.voices)
         if unknown:
             raise ValueError(f"voice aliases point at unknown voices: {sorted(unknown)}")
-        if not 0 < self.top_p <= 1 or self.temperature < 0 or self.repetition_penalty < 1:
-            raise ValueError("need 0 < top_p <= 1, temperature >= 0, repetition_penalty >= 1")
-        if self.trtllm_attention not in ("auto", "on", "off"):
-            raise ValueError(f"trtllm_attention must be auto, on or off, not {self.trtllm_attention!r}")
-        if self.max_client_lag_s <= 0 or self.codec_stall_timeout_s <= 0:
-            raise ValueError("max_client_lag_s and codec_stall_timeout_s must be > 0")
         if bool(self.codec_tls_cert) != bool(self.codec_tls_key):
             raise ValueError("codec_tls_cert and codec_tls_key go together")
         if (self.codec_tls_cert or self.codec_tls_server_name) and not self.codec_tls_ca:
             raise ValueError("codec_tls_cert and codec_tls_server_name need codec_tls_ca (TLS to the codec tier)")
+        return self
 
     @property
     def voice_map(self) -> dict[str, str]:
@@ -131,7 +124,3 @@ class LlmServerConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def llm_config_from_cli(argv: Sequence[str] | None = None) -> LlmServerConfig:
-    """The llm-server config from its command line and ORPHEUS_* environment variables."""
-    return config_from_args(LlmServerConfig, argv, os.environ, "ORPHEUS_", "llm-server")

@@ -247,7 +247,7 @@ async def compare(plan_: LlmPlan, comparison: AttentionComparison, reason: str |
     entry: dict[str, object] = {"name": comparison.name, "settings": comparison.settings}
     if reason is not None:
         return {**entry, "skipped": reason}
-    config = dataclasses.replace(plan_.config, **comparison.settings)
+    config = plan_.config.replace(**comparison.settings)
     try:
         measured = await run_engine(plan_, config, check_constraint=False)
     except Exception as exc:  # a comparison that cannot start leaves the main figures standing

@@ -15,7 +15,7 @@ from orpheus_common.draining import DrainingServer
 from . import request_log
 from .api import create_app
 from .auth import ApiKeysError
-from .config import LlmServerConfig, llm_config_from_cli
+from .config import LlmServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def run(config: LlmServerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: `llm-server --port ... --model ... --snac ADDR[,ADDR...]`."""
     request_log.install()
-    config = llm_config_from_cli(argv)
+    config = LlmServerConfig.from_cli(argv)
     try:
         run(config)
     except ApiKeysError as exc:

@@ -35,18 +35,18 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "up":
         from .gpu_layout import GpuLayoutError
         from .launcher import ChildKeptDying
-        from .topology import megapod_config_from_cli
+        from .topology import MegaPodConfig
         from .up import up
 
         try:
-            asyncio.run(up(megapod_config_from_cli(argv[1:])))
+            asyncio.run(up(MegaPodConfig.from_cli(argv[1:])))
         except (GpuLayoutError, ChildKeptDying) as exc:
             sys.exit(f"megapod up: {exc}")
         return
     if argv and argv[0] == "front":
-        from .front import front_config_from_cli, serve_front
+        from .front import FrontConfig, serve_front
 
-        serve_front(front_config_from_cli(argv[1:]))
+        serve_front(FrontConfig.from_cli(argv[1:]))
         return
     if argv and argv[0] == "doctor":
         from .doctor import main as doctor_main  # torch and vLLM load only for the doctor

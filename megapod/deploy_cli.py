@@ -7,7 +7,7 @@
     kubectl kustomize k8s/overlays/cpu | megapod deploy --manifest -
 
 The topology flags are the MegaPodConfig fields megapod/render.py passes to the chart, read as
-`megapod up` reads them (orpheus_common.settings.add_field_flags); their defaults are the profile's
+`megapod up` reads them (pydantic checks each, orpheus_common/settings.py); their defaults are the profile's
 (megapod/cluster.py).
 """
 
@@ -19,27 +19,27 @@ import sys
 from pathlib import Path
 
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
-from orpheus_common.settings import add_field_flags, field_values
+from orpheus_common.settings import explain, flag
 
 from .cluster import PROFILES, ClusterProfile
 from .deploy import DeployError, KubeApis, apply_all, deployments_of, describe, endpoints, wait_for_rollouts
 from .render import CHART, HelmRender, RenderError, dump_manifests, find_helm, kustomize, parse_manifests
 from .topology import MegaPodConfig
-from .values_schema import topology_values
 
-# MegaPodConfig field -> the chart values it sets: exactly the fields render.chart_values passes
+# MegaPodConfig field -> the chart values it sets: exactly the fields render.profile_values passes
 # to the chart (host, local ports and GPU indices stay with `megapod up`).
-TOPOLOGY = topology_values()
+TOPOLOGY = MegaPodConfig.chart_paths()
 
 
-def _topology_help(f: dataclasses.Field) -> str:
-    defaults = {name: getattr(p.megapod, f.name) for name, p in sorted(PROFILES.items())}
+def _topology_help(field: str) -> str:
+    defaults = {name: getattr(p.megapod, field) for name, p in sorted(PROFILES.items())}
     shown = ", ".join(f"{k}: {v}" for k, v in defaults.items())
     if len(set(defaults.values())) == 1:
         shown = str(next(iter(defaults.values())))  # every profile's
-    return f"sets {', '.join(TOPOLOGY[f.name])} (default {shown})"
+    return f"sets {', '.join(TOPOLOGY[field])} (default {shown})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,17 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", help="kubeconfig context (default: the current one)")
     topology = parser.add_argument_group(
         "topology", "MegaPodConfig fields, read as `megapod up` reads them; defaults are the --profile's")
-    add_field_flags(topology, MegaPodConfig, _topology_help, only=TOPOLOGY)
+    for field in TOPOLOGY:
+        topology.add_argument(flag(field), dest=field, metavar=field.upper(), help=_topology_help(field))
     return parser
 
 
 def profile_from_args(args: argparse.Namespace) -> ClusterProfile:
     """The chosen profile with the topology flags applied; ValueError when they do not fit."""
     profile = PROFILES[args.profile]
-    changes = field_values(MegaPodConfig, argparse.Namespace(**{name: getattr(args, name) for name in TOPOLOGY}))
+    changes = {name: getattr(args, name) for name in TOPOLOGY if getattr(args, name) is not None}
     if changes and (args.kustomize or args.manifest):
         raise ValueError("topology flags shape the Helm render only, not --kustomize or --manifest")
-    return dataclasses.replace(profile, megapod=dataclasses.replace(profile.megapod, **changes))
+    try:
+        return dataclasses.replace(profile, megapod=profile.megapod.replace(**changes))
+    except ValidationError as exc:
+        raise ValueError(explain(exc)) from None
 
 
 def render_objects(args: argparse.Namespace, profile: ClusterProfile) -> list[dict]:

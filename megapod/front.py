@@ -17,13 +17,13 @@ import gc
 import ipaddress
 import itertools
 import logging
-import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 import anyio
 import httpx
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -32,7 +32,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_common.http import TRY_AGAIN_LATER, error_response
-from orpheus_common.settings import config_from_args
+from orpheus_common.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +44,27 @@ POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
+MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_streams)
 
 
-@dataclass(frozen=True)
-class FrontConfig:
+class FrontConfig(Settings):
     """Settings of a front run alone (`megapod front`); flags --field-name, variables MEGAPOD_FRONT_FIELD."""
+
+    model_config = SettingsConfigDict(env_prefix="MEGAPOD_FRONT_", cli_prog_name="megapod front")
 
     host: str = "0.0.0.0"
     port: int = 8000
     workers: str = ""  # worker base URLs, comma-separated: http://10.0.0.5:8000,...
     workers_dns: str = ""  # or host:port of a headless Service: every address it resolves to is a worker
-    refresh_s: float = 5.0  # how often workers_dns is resolved again (pods come, go, get new addresses)
-    grace_s: float = 15.0  # SIGTERM: how long streams in flight may finish
+    refresh_s: float = Field(5.0, gt=0)  # how often workers_dns is resolved again (pods come, go, get new addresses)
+    grace_s: float = Field(15.0, ge=0)  # SIGTERM: how long streams in flight may finish
     # Streams relayed at once: each holds a connection to its worker for its whole length, so the pool
     # must not be smaller than the MegaPod's stream capacity (httpx's default of 100 made the 101st
     # stream wait for one to end). Past it a new stream waits POOL_WAIT_S, then gets a 503.
-    max_streams: int = 4096
+    max_streams: int = Field(MAX_STREAMS, ge=1)
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> FrontConfig:
         if bool(self.workers) == bool(self.workers_dns):
             raise ValueError("give either workers (URLs) or workers_dns (host:port), exactly one")
         if self.workers_dns:
@@ -71,8 +74,7 @@ class FrontConfig:
         for url in self.worker_urls():
             if not url.startswith("http://"):
                 raise ValueError(f"worker URLs are http://host:port, not {url!r}")
-        if self.refresh_s <= 0 or self.grace_s < 0 or self.max_streams < 1:
-            raise ValueError("refresh_s must be > 0, grace_s >= 0 and max_streams >= 1")
+        return self
 
     def worker_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.workers.split(",") if u.strip()]
@@ -174,7 +176,7 @@ class DnsWorkers:
 
 
 def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", refresh_s: float = 5.0,
-                     resolve: Resolver = resolve_all, max_streams: int = FrontConfig.max_streams) -> FastAPI:
+                     resolve: Resolver = resolve_all, max_streams: int = MAX_STREAMS) -> FastAPI:
     """The front app over the given worker base URLs (http://host:port), or over every address
     `workers_dns` (host:port) resolves to, resolved again every refresh_s while the app runs; up to
     `max_streams` streams relayed at once (its connections to the workers)."""
@@ -437,11 +439,6 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
             await ws.close(code)
         except (RuntimeError, WebSocketDisconnect, ConnectionClosed):
             pass
-
-
-def front_config_from_cli(argv: Sequence[str] | None) -> FrontConfig:
-    """`megapod front` flags over MEGAPOD_FRONT_* environment variables over defaults."""
-    return config_from_args(FrontConfig, argv, os.environ, "MEGAPOD_FRONT_", "megapod front")
 
 
 def serve_front(config: FrontConfig) -> None:

@@ -236,14 +236,14 @@ class Launcher:
         self.layout = layout = plan_gpus(config, visible_gpus(config) if gpu_count is None else gpu_count)
         python = sys.executable
         self.replicas = [
-            Child(f"snac-{j}", [python, "-m", "snac_server", *config.snac_args(j)], log_dir / f"snac-{j}.log",
+            Child(f"snac-{j}", [python, "-m", "snac_server", *config.replica_flags(j)], log_dir / f"snac-{j}.log",
                   f"grpc://{config.host}:{port}", layout.codec_env())
             for j, port in enumerate(config.snac_ports())
         ]
         self._watchers: set[asyncio.Task] = set()
         self._deaths: dict[str, _Deaths] = {}  # by child name
         self.workers = [
-            Child(f"llm-{i}", [python, "-m", "llm_server", *config.worker_args(i)], log_dir / f"llm-{i}.log",
+            Child(f"llm-{i}", [python, "-m", "llm_server", *config.worker_flags(i)], log_dir / f"llm-{i}.log",
                   f"http://{config.host}:{port}/ready", layout.worker_env(i))
             for i, port in enumerate(config.worker_ports())
         ]

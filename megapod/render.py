@@ -29,47 +29,19 @@ class RenderError(RuntimeError):
     """A renderer is missing or refused the chart or overlay."""
 
 
-def chart_values(profile: ClusterProfile) -> dict:
-    """The chart values that carry the profile's MegaPodConfig, field by field.
-
-    The same fields `megapod up` turns into each process's flags (MegaPodConfig.snac_args,
-    worker_args) become the pods' SNAC_* / ORPHEUS_* variables through these values.
-    """
-    pod = profile.megapod
-    return {
-        "llm": {
-            "replicas": pod.workers,
-            "accelerator": {"resource": profile.llm_accelerator},
-            "model": {"id": pod.llm_model},
-            "server": {
-                "device": pod.llm_device,
-                "maxStreams": pod.max_streams_per_worker,
-                "codecPolicy": pod.codec_policy,
-                "maxModelLen": pod.max_model_len,
-                "enforceEager": pod.enforce_eager,
-                "gpuMemoryUtilization": pod.llm_gpu_memory_utilization,
-                "attentionBackend": pod.attention_backend,
-                "trtllmAttention": pod.trtllm_attention,
-            },
-        },
-        "snac": {
-            "replicas": pod.replicas,
-            "accelerator": {"resource": profile.snac_accelerator},
-            "server": {
-                "port": pod.snac_base_port,
-                "metricsPort": pod.snac_metrics_base_port,
-                "model": pod.snac_model,
-                "device": pod.snac_device,
-                "maxBatch": pod.snac_max_batch,
-                "maxWaitMs": pod.snac_max_wait_ms,
-                "policy": pod.codec_policy,
-            },
-        },
-        "front": {"server": {"port": pod.front_port}},
-        "service": {"port": pod.front_port},
-        # One drain budget for every tier: the servers' grace, preStop, terminationGracePeriodSeconds.
-        "drain": {"graceS": pod.grace_s, "endpointDelayS": pod.endpoint_delay_s},
-    }
+def profile_values(profile: ClusterProfile) -> dict:
+    """A profile as chart values: its MegaPodConfig's (each field says where it goes: MegaPodConfig.helm_values,
+    the same tier settings `megapod up` passes as flags) and its accelerators."""
+    flat = {**profile.megapod.helm_values(), "llm.accelerator.resource": profile.llm_accelerator,
+            "snac.accelerator.resource": profile.snac_accelerator}
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, key = path.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[key] = value
+    return tree
 
 
 @dataclass(frozen=True)
@@ -101,7 +73,7 @@ class HelmRender:
         if not (self.chart / "Chart.yaml").is_file():
             raise RenderError(f"no chart at {self.chart} (a source checkout has it; or pass --chart)")
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="megapod-values-") as topology:
-            yaml.safe_dump(chart_values(self.profile), topology, sort_keys=True)
+            yaml.safe_dump(profile_values(self.profile), topology, sort_keys=True)
             topology.flush()
             return _run([helm, *self.args(Path(topology.name))])
 

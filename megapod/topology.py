@@ -6,63 +6,68 @@ run and a cluster deployment describe the same MegaPod.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from codec_contract.audio import POLICIES
-from orpheus_common.settings import config_from_args
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from codec_contract.audio import Policy
+from orpheus_common.settings import Settings, as_flags, camel
 
 RANDOM_LLM = "tiny"
 RANDOM_SNAC = "random-24khz"
+Device = Literal["auto", "cuda", "cpu"]  # a pod owns its GPUs: choose them with llm_gpus / snac_gpu, not cuda:N
 
 
 @dataclass(frozen=True)
-class MegaPodConfig:
+class Sets:
+    """Where a MegaPodConfig field goes, written beside the field: the tiers' settings it is (`llm`, an
+    LlmServerConfig field; `snac`, a SnacServerConfig field), passed as flags by `megapod up` and as
+    `{tier}.server.<camelCase>` chart values by `megapod deploy`, or `chart`, the values it sets instead."""
+
+    llm: str = ""
+    snac: str = ""
+    chart: tuple[str, ...] | None = None
+
+
+LOCAL = Sets(chart=())  # `megapod up`'s own: addresses on one machine, GPU indices, restarts
+
+
+class MegaPodConfig(Settings):
     """One MegaPod: N LLM workers and M SNAC replicas behind one front endpoint."""
 
-    workers: int = 1
-    replicas: int = 2
+    model_config = SettingsConfigDict(env_prefix="MEGAPOD_", cli_prog_name="megapod up")
+
+    workers: Annotated[int, Sets(chart=("llm.replicas",))] = Field(1, ge=1)
+    replicas: Annotated[int, Sets(chart=("snac.replicas",))] = Field(2, ge=1)
     host: str = "127.0.0.1"
-    front_port: int = 8000  # the endpoint voice agents use
+    front_port: Annotated[int, Sets(chart=("front.server.port", "service.port"))] = 8000  # the endpoint voice agents use
     worker_base_port: int = 8100  # worker i listens on worker_base_port + i
-    snac_base_port: int = 50051  # replica j listens on snac_base_port + j
-    snac_metrics_base_port: int = 9091
+    snac_base_port: Annotated[int, Sets(chart=("snac.server.port",))] = 50051  # replica j listens on snac_base_port + j
+    snac_metrics_base_port: Annotated[int, Sets(chart=("snac.server.metricsPort",))] = 9091
     # Models (random weights by default: the audio is noise until real checkpoints are given)
-    llm_model: str = RANDOM_LLM
-    snac_model: str = RANDOM_SNAC
-    llm_device: str = "auto"  # auto | cuda | cpu: on GPUs, worker i gets a GPU of its own (llm_gpus)
-    snac_device: str = "auto"  # auto | cuda | cpu: on GPUs, the codec replicas share one (snac_gpu)
+    llm_model: Annotated[str, Sets(llm="model", chart=("llm.model.id",))] = RANDOM_LLM
+    snac_model: Annotated[str, Sets(snac="model")] = RANDOM_SNAC
+    llm_device: Annotated[Device, Sets(llm="device")] = "auto"  # on GPUs, worker i gets a GPU of its own (llm_gpus)
+    snac_device: Annotated[Device, Sets(snac="device")] = "auto"  # on GPUs, the codec replicas share one (snac_gpu)
     llm_gpus: str = "auto"  # one GPU index per worker, e.g. 0,1,2; auto: worker i on GPU i
     snac_gpu: str = "auto"  # the codec replicas' GPU; auto: the one after the last worker's
-    llm_gpu_memory_utilization: float = 0.9  # each worker's vLLM share of its GPU
-    attention_backend: str = "auto"  # vLLM's attention backend on GPUs (llm_server/attention.py)
-    trtllm_attention: str = "auto"  # FlashInfer's TRT-LLM kernels: auto | on | off
+    llm_gpu_memory_utilization: Annotated[float, Sets(llm="gpu_memory_utilization")] = Field(0.9, gt=0, le=1)  # each worker's vLLM share of its GPU
+    attention_backend: Annotated[str, Sets(llm="attention_backend")] = "auto"  # vLLM's attention backend on GPUs (llm_server/attention.py)
+    trtllm_attention: Annotated[Literal["auto", "on", "off"], Sets(llm="trtllm_attention")] = "auto"  # FlashInfer's TRT-LLM kernels
     # Limits and policies
-    max_streams_per_worker: int = 16
-    snac_max_batch: int = 32
-    snac_max_wait_ms: float = 5.0
-    codec_policy: str = "streaming"  # streaming | reference (for comparison)
-    max_model_len: int = 2048
-    enforce_eager: bool = False
-    grace_s: float = 15.0  # drain budget of every tier (workers, codec replicas, front): streams in flight finish
+    max_streams_per_worker: Annotated[int, Sets(llm="max_streams")] = Field(16, ge=1)
+    snac_max_batch: Annotated[int, Sets(snac="max_batch")] = Field(32, ge=1)
+    snac_max_wait_ms: Annotated[float, Sets(snac="max_wait_ms")] = Field(5.0, ge=0)
+    codec_policy: Annotated[Policy, Sets(llm="codec_policy", snac="policy")] = "streaming"  # reference: for comparison
+    max_model_len: Annotated[int, Sets(llm="max_model_len")] = 2048
+    enforce_eager: Annotated[bool, Sets(llm="enforce_eager")] = False
+    grace_s: Annotated[float, Sets(llm="grace_s", snac="grace_s", chart=("drain.graceS",))] = Field(15.0, ge=0)  # drain budget of every tier (workers, codec replicas, front): streams in flight finish
     # Cluster only (the chart's preStop): how long a terminating pod keeps serving while its address
     # leaves the Services' endpoints and DNS. On one machine nothing routes by endpoints: 0.
-    endpoint_delay_s: float = 0.0
+    endpoint_delay_s: Annotated[float, Sets(chart=("drain.endpointDelayS",))] = Field(0.0, ge=0)
     restart_dead: bool = True  # the launcher restarts a process that dies
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.replicas < 1:
-            raise ValueError("a MegaPod needs at least one worker and one replica")
-        if self.codec_policy not in POLICIES:
-            raise ValueError(f"codec_policy must be one of {sorted(POLICIES)}, not {self.codec_policy!r}")
-        for name in ("llm_device", "snac_device"):
-            if getattr(self, name) not in ("auto", "cuda", "cpu"):
-                raise ValueError(f"{name} is auto, cuda or cpu (choose GPUs with llm_gpus/snac_gpu), not {getattr(self, name)!r}")
-        if self.grace_s < 0 or self.endpoint_delay_s < 0:
-            raise ValueError("grace_s and endpoint_delay_s are seconds, >= 0")
-        if not 0 < self.llm_gpu_memory_utilization <= 1:
-            raise ValueError("llm_gpu_memory_utilization must be in (0, 1]")
 
     @property
     def random_weights(self) -> bool:
@@ -77,28 +82,36 @@ class MegaPodConfig:
     def snac_addresses(self) -> str:
         return ",".join(f"{self.host}:{p}" for p in self.snac_ports())
 
-    def snac_args(self, j: int) -> list[str]:
+    @classmethod
+    def sets(cls, name: str) -> Sets:
+        return next((m for m in cls.model_fields[name].metadata if isinstance(m, Sets)), LOCAL)
+
+    def tier_settings(self, tier: str) -> dict[str, object]:
+        """The settings of tier `llm` or `snac` this MegaPod sets, by their names there."""
+        return {getattr(self.sets(name), tier): getattr(self, name) for name in type(self).model_fields
+                if getattr(self.sets(name), tier)}
+
+    @classmethod
+    def chart_paths(cls) -> dict[str, list[str]]:
+        """Field -> the chart values (dotted paths) `megapod deploy` sets from it."""
+        paths = {}
+        for name in cls.model_fields:
+            sets = cls.sets(name)
+            tiers = [f"{tier}.server.{camel(field)}" for tier, field in (("llm", sets.llm), ("snac", sets.snac)) if field]
+            if found := list(sets.chart if sets.chart is not None else tiers):
+                paths[name] = found
+        return paths
+
+    def helm_values(self) -> dict[str, object]:
+        """This MegaPod as chart values (dotted path -> value)."""
+        return {path: getattr(self, name) for name, paths in self.chart_paths().items() for path in paths}
+
+    def replica_flags(self, j: int) -> list[str]:
         """snac-server flags of replica j."""
-        return [
-            "--host", self.host, "--port", str(self.snac_ports()[j]),
-            "--metrics-port", str(self.snac_metrics_base_port + j),
-            "--model", self.snac_model, "--device", self.snac_device,
-            "--max-batch", str(self.snac_max_batch), "--max-wait-ms", str(self.snac_max_wait_ms),
-            "--policy", self.codec_policy, "--grace-s", str(self.grace_s),
-        ]
+        return as_flags({"host": self.host, "port": self.snac_ports()[j], "metrics_port": self.snac_metrics_base_port + j,
+                         **self.tier_settings("snac")})
 
-    def worker_args(self, i: int) -> list[str]:
+    def worker_flags(self, i: int) -> list[str]:
         """llm-server flags of worker i."""
-        return [
-            "--host", self.host, "--port", str(self.worker_ports()[i]), "--snac", self.snac_addresses(),
-            "--model", self.llm_model, "--device", self.llm_device, "--max-streams", str(self.max_streams_per_worker),
-            "--gpu-memory-utilization", str(self.llm_gpu_memory_utilization),
-            "--attention-backend", self.attention_backend, "--trtllm-attention", self.trtllm_attention,
-            "--codec-policy", self.codec_policy, "--max-model-len", str(self.max_model_len),
-            "--enforce-eager", str(self.enforce_eager).lower(), "--grace-s", str(self.grace_s),
-        ]
-
-
-def megapod_config_from_cli(argv: Sequence[str] | None) -> MegaPodConfig:
-    """`megapod up` flags over MEGAPOD_* environment variables over defaults."""
-    return config_from_args(MegaPodConfig, argv, os.environ, "MEGAPOD_", "megapod up")
+        return as_flags({"host": self.host, "port": self.worker_ports()[i], "snac": self.snac_addresses(),
+                         **self.tier_settings("llm")})

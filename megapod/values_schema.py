@@ -6,33 +6,31 @@
 Where each part comes from:
   * structure and types: values.yaml. Objects refuse unknown keys and require every key values.yaml
     sets (the templates read them all); empty maps and lists stay open.
-  * llm.server and snac.server: the fields of LlmServerConfig and SnacServerConfig, camelCase and
-    typed, less those the templates set themselves (an ORPHEUS_<FIELD> or SNAC_<FIELD> variable
+  * llm.server, snac.server and front.server: the fields of LlmServerConfig, SnacServerConfig and
+    FrontConfig, camelCase, with the types, bounds and enums of the settings' own JSON schema (the
+    checks the servers run at start-up fail at `helm install` instead), less those the templates set themselves (an ORPHEUS_<FIELD> or SNAC_<FIELD> variable
     written out in a template). Required there: only the keys the templates read (`server.<key>`);
     any other key left out is the server's own default.
-  * descriptions of the values `megapod deploy` sets from MegaPodConfig: traced through
-    megapod.render.chart_values (topology_values), which also gives `megapod deploy` its flags.
-  * OPEN, RULES and SERVER_CHECKS below: what none of those can say (enums, bounds, patterns).
+  * descriptions of the values `megapod deploy` sets from MegaPodConfig: each field says where it
+    goes (MegaPodConfig.chart_paths), which also gives `megapod deploy` its flags.
+  * OPEN and RULES below: what none of those can say (the chart's own enums, bounds, patterns).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
-import typing
-from types import SimpleNamespace
 
 import yaml
 
-from codec_contract.audio import POLICIES
 from llm_server.config import LlmServerConfig
-from snac_server.config import DTYPES, SnacServerConfig
+from orpheus_common.settings import Settings, camel
+from snac_server.config import SnacServerConfig
 
 from .front import FrontConfig
-from .render import CHART, chart_values
+from .render import CHART
 from .topology import MegaPodConfig
 
 SCHEMA = CHART / "values.schema.json"
@@ -115,76 +113,20 @@ RULES = {
     "monitoring.rules.engineWaitingRequests": AT_LEAST_0,
     "monitoring.dashboard.sidecarLabel": {"minLength": 1},
 }
-# The servers' own __post_init__ checks, written as schema so a bad value fails at `helm install`,
-# not in a crash-looping pod. tests/test_values_schema.py holds each against its dataclass.
-SERVER_CHECKS = {
-    "llm.server.backend": {"enum": ["vllm", "trtllm"]},
-    "llm.server.codecPolicy": {"enum": sorted(POLICIES)},
-    "llm.server.maxStreams": AT_LEAST_1,
-    "llm.server.maxInputChars": AT_LEAST_1,
-    "llm.server.maxSegmentChars": {"minimum": 16},
-    "llm.server.temperature": AT_LEAST_0,
-    "llm.server.topP": {**POSITIVE, "maximum": 1},
-    "llm.server.repetitionPenalty": AT_LEAST_1,
-    "llm.server.trtllmAttention": {"enum": ["auto", "on", "off"]},
-    "llm.server.maxClientLagS": POSITIVE,
-    "llm.server.codecStallTimeoutS": POSITIVE,
-    "snac.server.dtype": {"enum": list(DTYPES)},
-    "snac.server.policy": {"enum": sorted(POLICIES)},
-    "snac.server.maxBatch": AT_LEAST_1,
-    "snac.server.cpuThreads": AT_LEAST_1,
-    "snac.server.maxStreams": AT_LEAST_1,
-    "snac.server.maxWaitMs": AT_LEAST_0,
-    "snac.server.maxStepFrames": AT_LEAST_0,
-    "snac.server.metricsPort": {"minimum": -1},  # -1: off (RULES asks the chart's pods for a real port)
-    "snac.server.healthPort": {"minimum": -1},
-    "snac.server.frameBuckets": {"minItems": 1, "items": AT_LEAST_1, "contains": {"const": 1}},
-    "front.server.refreshS": POSITIVE,
-    "front.server.maxStreams": AT_LEAST_1,
-}
+# What a field's JSON schema says that a values schema keeps (not its title or default).
+KEPT = ("type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items", "minItems",
+        "contains")
 
 
-def camel(name: str) -> str:
-    first, *rest = name.split("_")
-    return first + "".join(part.capitalize() for part in rest)
+def field_schema(cls: type[Settings], name: str) -> dict:
+    """The types, bounds and enums pydantic gives a settings field: the server's own checks of one value."""
+    prop = cls.model_json_schema()["properties"][name]
+    return {key: prop[key] for key in KEPT if key in prop}
 
 
-def json_type(hint: object) -> dict:
-    if typing.get_origin(hint) is tuple:
-        return {"type": "array", "items": json_type(typing.get_args(hint)[0])}
-    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[hint]}  # type: ignore[index]
-
-
-# ---------------------------------------------------------------- MegaPodConfig -> chart values
-
-
-@dataclasses.dataclass(frozen=True)
-class _Traced:
-    field: str
-
-
-def topology_values() -> dict[str, list[str]]:
-    """MegaPodConfig field -> the chart values (dotted paths) that `megapod deploy` sets from it.
-
-    Traced through megapod.render.chart_values with a stand-in for each field, so the list is
-    whatever that function passes to the chart, never a copy of it."""
-    pod = SimpleNamespace(**{f.name: _Traced(f.name) for f in dataclasses.fields(MegaPodConfig)})
-    traced = leaves(chart_values(SimpleNamespace(megapod=pod, llm_accelerator="", snac_accelerator="")))
-    paths: dict[str, list[str]] = {}
-    for path, value in traced.items():
-        if isinstance(value, _Traced):
-            paths.setdefault(value.field, []).append(path)
-    return {f.name: paths[f.name] for f in dataclasses.fields(MegaPodConfig) if f.name in paths}
-
-
-def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def json_type(value: object) -> dict:
+    """A values.yaml example's type."""
+    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)]}
 
 
 # ---------------------------------------------------------------- the schema
@@ -211,16 +153,15 @@ def _from_values(value: object, path: str, opened: set[str]) -> dict:
         return {"type": "array", "items": _from_values(value[0], f"{path}[]", opened)} if value else {"type": "array"}
     if value is None:
         raise ValueError(f"values.yaml: {path} is null; give it a value of its type")
-    return json_type(type(value))
+    return json_type(value)
 
 
 def _server(tier: str, values: dict, templates: str) -> dict:
     """llm.server / snac.server: the config dataclass's fields, as the chart lets a pod set them."""
     cls, prefix = SERVERS[tier]
-    hints = typing.get_type_hints(cls)
-    set_by_chart = {name.lower() for name in re.findall(rf"name:\s*{prefix}(\w+)", templates)} & hints.keys()
-    fields = [f.name for f in dataclasses.fields(cls) if f.name not in set_by_chart | KEEP_DEFAULT]
-    properties = {camel(name): json_type(hints[name]) for name in fields}
+    set_by_chart = {name.lower() for name in re.findall(rf"name:\s*{prefix}(\w+)", templates)} & cls.model_fields.keys()
+    fields = [name for name in cls.model_fields if name not in set_by_chart | KEEP_DEFAULT]
+    properties = {camel(name): field_schema(cls, name) for name in fields}
     if unknown := set(values) - set(properties):
         raise ValueError(f"values.yaml: {tier}.server sets {sorted(unknown)}, not {cls.__name__} fields a pod may set")
     # `$llm.server.port`, `.Values.snac.server.port`, and helpers' `.server.graceS` (either tier)
@@ -261,17 +202,17 @@ def generate() -> dict:
     root = _from_values(values, "", opened)
     for tier in SERVERS:
         root["properties"][tier]["properties"]["server"] = _server(tier, values[tier]["server"], templates)
-    rules = [*SERVER_CHECKS.items(), *RULES.items()]  # the chart's own rules last: stricter ones win
+    rules = list(RULES.items())
     used: set[int] = set()
     _apply(root, "", rules, used)
     if unused := [pattern for i, (pattern, _) in enumerate(rules) if i not in used] + sorted(OPEN.keys() - opened):
         raise ValueError(f"rules that match no value (renamed?): {unused}")
-    for field, paths in topology_values().items():
+    for field, paths in MegaPodConfig.chart_paths().items():
         flag = f"--{field.replace('_', '-')}"
         for path in paths:
             node = root
             for key in path.split("."):
-                node = node["properties"][key]  # KeyError: chart_values sets a value the chart lacks
+                node = node["properties"][key]  # KeyError: a field sets a value the chart lacks
             node["description"] = f"megapod deploy {flag} (MegaPodConfig.{field})"
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",

@@ -1,67 +1,105 @@
-"""Settings from flags over environment variables over defaults, onto a frozen dataclass.
+"""Settings: one pydantic-settings model per command, read from flags over environment over defaults.
 
-A field `max_batch` is flag `--max-batch` and variable `PREFIX_MAX_BATCH`; its type says how the text
-parses (bool, int, float, str, tuple of those as a comma list). The dataclass's __post_init__ checks
-the values, so a bad one stops start-up with the flag named.
+A field `max_batch` is flag `--max-batch` and variable `PREFIX_MAX_BATCH` (the model's env_prefix).
+pydantic parses and checks every value: types, bounds and enums on the fields (`Field`, `Literal`),
+rules between fields in model validators. A bad value stops start-up naming its flag, and the same
+model's JSON schema gives the chart's values schema its types, bounds and enums (megapod/values_schema.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import typing
-from collections.abc import Callable, Collection, Mapping, Sequence
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Annotated, Any, Self, TypeVar
+
+from pydantic import BeforeValidator, ValidationError
+from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+T = TypeVar("T")
 
 
-def parse_value(kind: object, text: str) -> object:
-    """One flag or env value as the field type `kind`."""
-    if kind is bool:
-        if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"not a boolean: {text!r}")
-        return text.lower() in ("1", "true", "yes", "on")
-    if typing.get_origin(kind) is tuple:
-        item = typing.get_args(kind)[0]
-        return tuple(item(x.strip()) for x in text.split(",") if x.strip())
-    return kind(text)  # type: ignore[operator]
+def _split_commas(value: object) -> object:
+    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
 
 
-def add_field_flags(
-    parser: argparse._ActionsContainer, cls: type, help: Callable[[dataclasses.Field], str],
-    only: Collection[str] | None = None,
-) -> None:
-    """A `--field-name` flag for each field of dataclass `cls` (or those in `only`), read by field_values.
-
-    The servers, `megapod up` and `megapod deploy` all take their flags from here, so a field's
-    flag, and how its text becomes a value, is the same in every command."""
-    for f in dataclasses.fields(cls):
-        if only is None or f.name in only:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                                metavar=f.name.upper(), help=help(f))
+# A tuple written as a comma list, in a flag or a variable alike: --frame-buckets 1,2,4 / SNAC_FRAME_BUCKETS=1,2,4.
+CommaList = Annotated[tuple[T, ...], NoDecode, BeforeValidator(_split_commas)]
 
 
-def field_values(cls: type, args: argparse.Namespace, env: Mapping[str, str] | None = None, prefix: str = "") -> dict:
-    """The fields given as flags (add_field_flags), else as PREFIX_FIELD_NAME in `env`, each parsed
-    as its type; ValueError names the flag of a value that does not parse."""
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):
-        text = getattr(args, f.name, None)
-        if text is None and env is not None:
-            text = env.get(f"{prefix}{f.name.upper()}")
-        if text is not None:
-            try:
-                values[f.name] = parse_value(hints[f.name], text)
-            except ValueError as exc:
-                raise ValueError(f"--{f.name.replace('_', '-')}: {exc}") from None
-    return values
+class Settings(BaseSettings):
+    """The settings of one command. Only `from_cli` reads flags and the environment: a model built
+    in code (`Model(field=...)`, a cluster profile, a test) is what the code says; `replace` derives
+    a checked copy."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", validate_default=True, cli_kebab_case=True,
+                                      cli_avoid_json=True, cli_implicit_flags=False, cli_exit_on_error=True,
+                                      cli_show_env_vars=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **_: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ) -> Self:
+        """Flags (`argv`, default sys.argv[1:]) over the environment (PREFIX_FIELD) over defaults; exit 2
+        with the flag named when a value is wrong, as argparse does."""
+        flags = CliSettingsSource(cls, cli_parse_args=list(sys.argv[1:] if argv is None else argv))()
+        env = {name: environ[cls.env_name(name)] for name in cls.model_fields if cls.env_name(name) in environ}
+        try:
+            return cls.model_validate({**env, **flags})
+        except ValidationError as exc:
+            prog = cls.model_config.get("cli_prog_name") or cls.__name__
+            named = {name: cls.env_name(name) for name in env.keys() - flags.keys()}  # the variable that set it
+            print(f"usage: {prog} [-h] [--FIELD VALUE ...]\n{prog}: error: {explain(exc, named)}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, checked like the original (dataclasses.replace, for settings)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
+
+    @classmethod
+    def default(cls, field: str) -> Any:
+        return cls.model_fields[field].default
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        return f"{cls.model_config.get('env_prefix', '')}{field}".upper()
 
 
-def config_from_args(cls: type, argv: Sequence[str] | None, env: Mapping[str, str], prefix: str, prog: str):
-    """Build dataclass `cls` from flags (`--field-name`) over env (`PREFIX_FIELD_NAME`) over defaults."""
-    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
-    add_field_flags(parser, cls, lambda f: f"(env {prefix}{f.name.upper()}; default {f.default!r})")
-    args = parser.parse_args(argv)
-    try:
-        return cls(**field_values(cls, args, env, prefix))
-    except ValueError as exc:
-        parser.error(str(exc))
+def explain(exc: ValidationError, named: Mapping[str, str] | None = None) -> str:
+    """Each error as `--flag: message` (or the variable's name, in `named`); a rule between fields as its message."""
+    named = named or {}
+    lines = []
+    for error in exc.errors():
+        if not error["loc"]:
+            lines.append(error["msg"].removeprefix("Value error, "))
+            continue
+        field = str(error["loc"][0])
+        lines.append(f"{named.get(field) or flag(field)}: {error['msg']}")
+    return "; ".join(lines)
+
+
+def flag(field: str) -> str:
+    return f"--{field.replace('_', '-')}"
+
+
+def camel(field: str) -> str:
+    """A field as the chart's values spell it: max_batch -> maxBatch."""
+    first, *rest = field.split("_")
+    return first + "".join(part.capitalize() for part in rest)
+
+
+def as_flags(values: dict[str, object]) -> list[str]:
+    """Field values as the flags that set them: what a launcher passes to a child."""
+    return [text for name, value in values.items() for text in (flag(name), as_text(value))]
+
+
+def as_text(value: object) -> str:
+    """A value as a flag or variable writes it: true/false, a comma list, the number or string."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Iterable) and not isinstance(value, str):
+        return ",".join(map(as_text, value))
+    return str(value)

@@ -1,50 +1,52 @@
 """SnacServerConfig: every setting of the codec tier, validated once, passed down.
 
-CLI flags and environment variables map one-to-one onto its fields:
+Flags and environment variables map one-to-one onto its fields (orpheus_common/settings.py):
 field `max_batch` is flag `--max-batch` and variable `SNAC_MAX_BATCH`.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from codec_contract.audio import POLICIES
-from orpheus_common.settings import config_from_args
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
-DTYPES = ("float32", "float16", "bfloat16")
+from codec_contract.audio import Policy
+from orpheus_common.settings import CommaList, Settings
 
 
-@dataclass(frozen=True)
-class SnacServerConfig:
+class SnacServerConfig(Settings):
     """Settings of one snac-server process."""
 
+    model_config = SettingsConfigDict(env_prefix="SNAC_", cli_prog_name="snac-server")
+
     host: str = "0.0.0.0"
-    port: int = 50051  # 0 picks a free port (tests)
-    metrics_port: int = 9091  # Prometheus /metrics over HTTP; -1 disables, 0 picks a free port
+    port: int = Field(50051, ge=0)  # 0 picks a free port (tests)
+    metrics_port: int = Field(9091, ge=-1)  # Prometheus /metrics over HTTP; -1 disables, 0 picks a free port
     # Plaintext grpc.health.v1 only (no Decode), for the kubelet's gRPC probes, which cannot speak TLS:
     # the same statuses as `port`. -1 disables (like metrics_port), 0 picks a free port.
-    health_port: int = -1
+    health_port: int = Field(-1, ge=-1)
     model: str = "random-24khz"  # local dir, Hugging Face id, or random-24khz[-small] (no download)
     device: str = "auto"  # auto, cpu, cuda, cuda:N
-    dtype: str = "float32"
-    max_batch: int = 32  # rows per decode step
-    max_wait_ms: float = 5.0  # how long the first row of a step waits for company
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_batch: int = Field(32, ge=1)  # rows per decode step
+    max_wait_ms: float = Field(5.0, ge=0)  # how long the first row of a step waits for company
     # Frames (rows x frames per row) per forward; a step's rows are split above it. On CPU a big
     # forward's activations leave the cache and each frame costs more; on GPU a graph's memory grows
     # with its frames. 0: 16 on CPU, max_batch on GPU (a full step of 1-frame rows).
-    max_step_frames: int = 0
+    max_step_frames: int = Field(0, ge=0)
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
     # PyTorch's intra-op threads for CPU work. A CPU step waits at every OpenMP barrier for all of them,
     # and one the scheduler parks (other processes busy on the replica's cores) stalls the step:
     # beside two busy loops on 2 cores, 2 threads decoded 1.7-2.2x slower than 1 (benchmarks/README.md,
     # "By intra-op threads"); alone, 1.2-1.5x faster. Raise it only where the replica has cores to itself.
-    cpu_threads: int = 1
+    cpu_threads: int = Field(1, ge=1)
     # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits.
-    frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
-    policy: str = "streaming"  # default for sessions that do not choose: streaming | reference
-    max_streams: int = 1024  # concurrent streams, and decoder state slots (485 KiB each in fp32)
+    # 1 among them: every stream can advance by one frame.
+    frame_buckets: CommaList[Annotated[int, Field(ge=1)]] = Field((1, 2, 4, 8, 16), min_length=1,
+                                                                json_schema_extra={"contains": {"const": 1}})
+    policy: Policy = "streaming"  # default for sessions that do not choose
+    max_streams: int = Field(1024, ge=1)  # concurrent streams, and decoder state slots (485 KiB each in fp32)
     max_connection_age_s: float = 300.0  # clients reconnect, so new replicas get traffic
     grace_s: float = 30.0  # SIGTERM: how long in-flight streams may finish
     # TLS: cert+key turn it on (re-read when the files change); a client CA also requires client certs.
@@ -52,26 +54,18 @@ class SnacServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
 
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {self.policy!r}")
-        if self.health_port < -1 or self.metrics_port < -1:
-            raise ValueError("health_port and metrics_port are a port, 0 (a free one) or -1 (off)")
+    @model_validator(mode="after")
+    def _consistent(self) -> SnacServerConfig:
         fixed = [p for p in (self.port, self.metrics_port, self.health_port) if p > 0]
         if len(set(fixed)) != len(fixed):  # one would fail to bind at start-up
             raise ValueError(f"port, metrics_port and health_port {fixed}: each needs a port of its own")
-        if self.max_batch < 1 or self.max_streams < 1 or self.max_wait_ms < 0 or self.max_step_frames < 0:
-            raise ValueError("max_batch and max_streams must be >= 1, max_wait_ms and max_step_frames >= 0")
-        if self.cpu_threads < 1:
-            raise ValueError("cpu_threads must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (client certificates need TLS)")
-        if not self.frame_buckets or 1 not in self.frame_buckets or min(self.frame_buckets) < 1:
-            raise ValueError("frame_buckets must include 1 (every stream can advance by one frame), all >= 1")
+        if 1 not in self.frame_buckets:
+            raise ValueError("frame_buckets must include 1 (every stream can advance by one frame)")
+        return self
 
     @property
     def resolved_device(self) -> str:
@@ -81,8 +75,3 @@ class SnacServerConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def snac_config_from_cli(argv: Sequence[str] | None = None) -> SnacServerConfig:
-    """The snac-server config from its command line and SNAC_* environment variables."""
-    return config_from_args(SnacServerConfig, argv, os.environ, "SNAC_", "snac-server")

@@ -43,7 +43,7 @@ from .streaming import OPEN_END, StreamingDecoder, flush_frames
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # max |streamed - full decode| in fp32, the same bound the CPU tests hold
-FRAME_BUCKETS = SnacServerConfig.frame_buckets
+FRAME_BUCKETS = SnacServerConfig.default("frame_buckets")
 NOT_ON_CPU = "not measured: cpu"
 MIB = 2**20
 

@@ -24,7 +24,7 @@ from codec_contract.client import SERVICE
 
 from .batcher import MicroBatcher, WarmUpFailed
 from .codec_model import build_decoder
-from .config import SnacServerConfig, snac_config_from_cli
+from .config import SnacServerConfig
 from .metrics import SnacMetrics
 from .runner import DecoderRunner
 from .service import CodecService
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: `snac-server --port ... --model ...`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(serve(snac_config_from_cli(argv)))
+        asyncio.run(serve(SnacServerConfig.from_cli(argv)))
     except WarmUpFailed as exc:  # exit (Kubernetes restarts the pod and shows why), never hang unready
         log.error("cannot serve: %s", exc, exc_info=exc.__cause__)
         sys.exit(1)

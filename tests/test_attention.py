@@ -47,5 +47,5 @@ def test_refused_combinations_say_why(settings, env, device, reason):
 
 
 def test_trtllm_attention_takes_auto_on_or_off():
-    with pytest.raises(ValueError, match="auto, on or off"):
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
         LlmServerConfig(trtllm_attention="yes")

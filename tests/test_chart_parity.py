@@ -60,7 +60,6 @@ from megapod.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app,
 from megapod.launcher import Child, free_ports
 from megapod.render import CHART, REPO, HelmRender, parse_manifests
 from megapod.topology import MegaPodConfig
-from orpheus_common.settings import config_from_args
 from snac_server.config import SnacServerConfig
 from snac_server.server import build_server
 
@@ -125,11 +124,11 @@ async def test_rendered_probes_get_a_real_codec_servers_status_with_tls_on(tmp_p
     objects = helm_render("h100")
     codec = snac(objects)
     pod_env = {k: v for k, v in write_mount(objects, codec, tmp_path / "snac").items() if k.startswith("SNAC_")}
-    config = config_from_args(SnacServerConfig, [], pod_env, "SNAC_", "snac-server")
+    config = SnacServerConfig.from_cli([], pod_env)
     assert config.tls_client_ca and config.health_port == port_named(codec, "health")
     # This machine's stand-ins for the pod's GPU, checkpoint and fixed ports; the rest as rendered.
-    local = dataclasses.replace(config, host="127.0.0.1", port=0, health_port=0, metrics_port=-1, device="cpu",
-                                model="random-24khz", cuda_graphs=False)
+    local = config.replace(host="127.0.0.1", port=0, health_port=0, metrics_port=-1, device="cpu",
+                           model="random-24khz", cuda_graphs=False)
     server, port = build_server(local)
     await server.start()
     try:
@@ -183,7 +182,7 @@ def test_one_drain_setting_moves_every_tier() -> None:
         assert (c["lifecycle"]["preStop"]["exec"]["command"][1], env(deployment)[GRACE_VARS[c["name"]]]) == ("7", "90")
         assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 7 + 90 + EXIT_MARGIN_S
     # `megapod deploy` passes MegaPodConfig.grace_s and the profile's endpoint delay the same way.
-    profile = dataclasses.replace(H100, megapod=dataclasses.replace(H100.megapod, grace_s=45.0, endpoint_delay_s=3.0))
+    profile = dataclasses.replace(H100, megapod=H100.megapod.replace(grace_s=45.0, endpoint_delay_s=3.0))
     for deployment in deployments(parse_manifests(HelmRender(profile).run(helm()))):
         assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 3 + 45 + EXIT_MARGIN_S
     # No tier keeps a drain setting of its own.
@@ -211,7 +210,7 @@ def test_the_front_runs_the_projects_front_over_the_workers_headless_service(ren
     c = container(entry)
     assert c["command"] == ["megapod", "front"] and c["image"] == container(worker)["image"]  # the LLM image
     variables = {k: v.replace("$(POD_NAMESPACE)", NAMESPACE) for k, v in env(entry).items() if k.startswith("MEGAPOD_FRONT_")}
-    config = config_from_args(FrontConfig, [], variables, "MEGAPOD_FRONT_", "megapod front")
+    config = FrontConfig.from_cli([], variables)
     assert config.port == port_named(entry, "http") and config.grace_s == profile_of(render).megapod.grace_s
     assert not config.workers
     headless = find(objects, "Service", f"{RELEASE}-llm")["spec"]

@@ -338,10 +338,10 @@ def test_topology_flags_only_shape_the_helm_render(capsys: pytest.CaptureFixture
 
 def test_cluster_profile_counts_mig_instances_per_gpu() -> None:
     assert H100.gpus_needed() == 8 and H100.snac_gpus() == 1 and H100.mig_profile == "2g.20gb"
-    four = dataclasses.replace(H100.megapod, workers=6, replicas=4)
+    four = H100.megapod.replace(workers=6, replicas=4)
     assert dataclasses.replace(H100, megapod=four).gpus_needed() == 8  # 6 whole + 2 GPUs of MIG
     with pytest.raises(ValueError, match="need 9 GPUs"):
-        ClusterProfile("x", dataclasses.replace(H100.megapod, replicas=4), "values.yaml", 8, "nvidia.com/gpu",
+        ClusterProfile("x", H100.megapod.replace(replicas=4), "values.yaml", 8, "nvidia.com/gpu",
                        "nvidia.com/mig-2g.20gb")
 
 

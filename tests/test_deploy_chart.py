@@ -37,14 +37,12 @@ from llm_server.metrics import LlmMetrics
 from megapod.cluster import CPU, H100, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
 from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (
-    CHART, KUBE_VERSION, KUSTOMIZE, REPO, HelmRender, RenderError, chart_values, find_helm, find_kubectl,
-    parse_manifests,
+    CHART, KUBE_VERSION, KUSTOMIZE, REPO, HelmRender, RenderError, find_helm, find_kubectl, parse_manifests,
+    profile_values,
 )
 from megapod.topology import MegaPodConfig
-from megapod.values_schema import leaves
 from codec_contract.api import codec_pb2
 from codec_contract.client import channel_credentials, tls_options
-from orpheus_common.settings import config_from_args
 from snac_server.config import SnacServerConfig
 from snac_server.server import server_credentials
 
@@ -63,6 +61,17 @@ OPTIONAL_FEATURES = (
 
 
 # ---------------------------------------------------------------- rendering
+
+
+def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """A nested dict as dotted path -> value."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def helm() -> str:
@@ -248,7 +257,7 @@ def _helm_merge(base: dict, override: dict) -> dict:
 def test_chart_values_files_are_the_cluster_profiles(profile: ClusterProfile) -> None:
     """values.yaml (+ values-cpu.yaml) hold exactly what megapod/cluster.py derives from MegaPodConfig."""
     values = leaves(_merged_values(profile))
-    for key, expected in leaves(chart_values(profile)).items():
+    for key, expected in leaves(profile_values(profile)).items():
         assert values.get(key) == expected, f"{profile.values_file}: {key}={values.get(key)!r}, profile: {expected!r}"
 
 
@@ -282,7 +291,7 @@ def _without_generated_certs(objects: list[dict]) -> list[dict]:
 
 
 def test_megapod_config_changes_reach_the_pods() -> None:
-    pod = dataclasses.replace(H100.megapod, workers=5, snac_max_batch=64, codec_policy="reference", grace_s=90.0)
+    pod = H100.megapod.replace(workers=5, snac_max_batch=64, codec_policy="reference", grace_s=90.0)
     objects = parse_manifests(HelmRender(dataclasses.replace(H100, megapod=pod)).run(helm()))
     assert llm(objects)["spec"]["replicas"] == 5
     assert env(snac(objects))["SNAC_MAX_BATCH"] == "64"
@@ -298,20 +307,20 @@ def _pod_env(deployment: dict, prefix: str) -> dict[str, str]:
 @pytest.mark.parametrize("render", list(RENDERS))
 def test_pods_run_the_same_servers_as_megapod_up(render: str) -> None:
     """The pods' variables, parsed by the servers' own config loaders, equal the configs the local
-    launcher builds from the same MegaPodConfig (MegaPodConfig.snac_args / worker_args), except the
+    launcher builds from the same MegaPodConfig (MegaPodConfig.snac_settings / worker_settings), except the
     addresses that differ between one machine and a cluster."""
     objects, pod = RENDERS[render](), profile_of(render).megapod
-    snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
-    snac_local = config_from_args(SnacServerConfig, pod.snac_args(0), {}, "SNAC_", "snac-server")
+    snac_pod = SnacServerConfig.from_cli([], _pod_env(snac(objects), "SNAC_"))
+    snac_local = SnacServerConfig.from_cli(pod.replica_flags(0), {})
     tls = {"tls_cert": snac_local.tls_cert, "tls_key": snac_local.tls_key, "tls_client_ca": snac_local.tls_client_ca}
     # and the plaintext health port, which only the kubelet's probes use (test_chart_parity.py)
-    assert dataclasses.replace(snac_pod, host=snac_local.host, health_port=snac_local.health_port, **tls) == snac_local
-    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
-    llm_local = config_from_args(LlmServerConfig, pod.worker_args(0), {}, "ORPHEUS_", "llm-server")
+    assert snac_pod.replace(host=snac_local.host, health_port=snac_local.health_port, **tls) == snac_local
+    llm_pod = LlmServerConfig.from_cli([], _pod_env(llm(objects), "ORPHEUS_"))
+    llm_local = LlmServerConfig.from_cli(pod.worker_flags(0), {})
     # and the TLS and API key files, which only the cluster mounts (test_codec_tls_*)
     differ = {"host", "port", "snac", "cache_dir", "api_keys_file", "codec_tls_ca", "codec_tls_cert", "codec_tls_key",
               "codec_tls_server_name"}
-    same = {f.name for f in dataclasses.fields(LlmServerConfig)} - differ
+    same = LlmServerConfig.model_fields.keys() - differ
     assert {n: getattr(llm_pod, n) for n in same} == {n: getattr(llm_local, n) for n in same}
     assert (snac_pod.host, llm_pod.host) == ("0.0.0.0", "0.0.0.0")  # the servers' own default
 
@@ -595,8 +604,8 @@ def test_codec_tls_is_on_by_default_with_client_certificates(render: str) -> Non
     dialed = env(llm(objects))["ORPHEUS_SNAC"].removeprefix("dns:///").rsplit(":", 1)[0]
     assert env(llm(objects))["ORPHEUS_CODEC_TLS_SERVER_NAME"] == dialed
     # The servers' own loaders accept the variables (cert and key together, CA present).
-    snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
-    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
+    snac_pod = SnacServerConfig.from_cli([], _pod_env(snac(objects), "SNAC_"))
+    llm_pod = LlmServerConfig.from_cli([], _pod_env(llm(objects), "ORPHEUS_"))
     assert snac_pod.tls_client_ca and llm_pod.codec_tls_cert and not llm_pod.api_keys_file
 
 
@@ -645,11 +654,9 @@ def test_codec_tls_works_with_the_rendered_files_and_names(tmp_path: Path) -> No
     objects = helm_render("h100")
     snac_env = write_mount(objects, snac(objects), tmp_path / "snac")
     llm_env = write_mount(objects, llm(objects), tmp_path / "llm")
-    snac_config = config_from_args(SnacServerConfig, [], {k: v for k, v in snac_env.items() if k.startswith("SNAC_")},
-                                   "SNAC_", "snac-server")
-    worker = config_from_args(LlmServerConfig, [], {k: v for k, v in llm_env.items() if k.startswith("ORPHEUS_")},
-                              "ORPHEUS_", "llm-server")
-    server, servicer, port = _health_server(dataclasses.replace(snac_config, port=0))
+    snac_config = SnacServerConfig.from_cli([], {k: v for k, v in snac_env.items() if k.startswith("SNAC_")})
+    worker = LlmServerConfig.from_cli([], {k: v for k, v in llm_env.items() if k.startswith("ORPHEUS_")})
+    server, servicer, port = _health_server(snac_config.replace(port=0))
     try:
         servicer.set(CODEC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -713,8 +720,8 @@ def test_codec_tls_off_leaves_no_trace(name: str) -> None:
         assert not [k for k in env(deployment) if "TLS" in k]
         assert "annotations" not in deployment["spec"]["template"]["metadata"]
     assert snac_probe_target(snac(objects), "readinessProbe") == (port_named(snac(objects), "health"), CODEC_SERVICE)
-    snac_pod = config_from_args(SnacServerConfig, [], _pod_env(snac(objects), "SNAC_"), "SNAC_", "snac-server")
-    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(llm(objects), "ORPHEUS_"), "ORPHEUS_", "llm-server")
+    snac_pod = SnacServerConfig.from_cli([], _pod_env(snac(objects), "SNAC_"))
+    llm_pod = LlmServerConfig.from_cli([], _pod_env(llm(objects), "ORPHEUS_"))
     assert (snac_pod.tls_cert, llm_pod.codec_tls_ca) == ("", "")
 
 
@@ -729,7 +736,7 @@ def test_api_keys_file_from_a_secret(name: str) -> None:
     (item,) = secret["items"]
     assert item["key"] == "keys.txt"
     assert env(worker)["ORPHEUS_API_KEYS_FILE"] == f"{keys_mount['mountPath']}/{item['path']}"
-    llm_pod = config_from_args(LlmServerConfig, [], _pod_env(worker, "ORPHEUS_"), "ORPHEUS_", "llm-server")
+    llm_pod = LlmServerConfig.from_cli([], _pod_env(worker, "ORPHEUS_"))
     assert llm_pod.api_keys_file == env(worker)["ORPHEUS_API_KEYS_FILE"]
     assert volume(snac(objects), "api-keys") is None and "apiKeys" not in json.dumps(snac(objects))
     assert not any(o["kind"] == "Secret" and o["metadata"]["name"] == "orpheus-api-keys" for o in objects)

@@ -65,7 +65,7 @@ def test_workers_on_gpus_with_the_codec_on_cpu():
 
 
 def test_every_worker_gets_its_memory_share_as_a_flag():
-    args = MegaPodConfig(llm_gpu_memory_utilization=0.8).worker_args(0)
+    args = MegaPodConfig(llm_gpu_memory_utilization=0.8).worker_flags(0)
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.8"
 
 

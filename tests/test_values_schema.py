@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import typing
 
 import jsonschema
 import pytest
@@ -13,9 +12,10 @@ import yaml
 
 from megapod import deploy_cli
 from megapod.cluster import CPU, H100
-from megapod.render import CHART, chart_values, find_helm, parse_manifests
+from megapod.render import CHART, find_helm, parse_manifests, profile_values
 from megapod.topology import MegaPodConfig
-from megapod.values_schema import COMMAND, SCHEMA, SERVER_CHECKS, SERVERS, camel, json_type, render, topology_values
+from megapod.values_schema import COMMAND, SCHEMA, SERVERS, field_schema, render
+from orpheus_common.settings import camel
 
 
 def helm_template(*sets: str, how: str = "--set") -> tuple[int, str, str]:
@@ -48,7 +48,7 @@ def test_committed_schema_is_the_generated_one() -> None:
         ("llm.replicas=seven", "llm.replicas"),  # wrong type (values.yaml's)
         ("snac.server.maxWaitMs=soon", "snac.server.maxWaitMs"),  # wrong type (the dataclass's)
         ("images.llm.pullPolicy=Sometimes", "pullPolicy"),  # enum kept in RULES
-        ("llm.server.trtllmAttention=maybe", "trtllmAttention"),  # SERVER_CHECKS
+        ("llm.server.trtllmAttention=maybe", "trtllmAttention"),  # the settings' own (LlmServerConfig's Literal)
         ("snac.server.dtype=float64", "dtype"),
         ("llm.server.topP=1.5", "topP"),
         ("snac.server.frameBuckets={2,4}", "frameBuckets"),  # no 1
@@ -73,30 +73,29 @@ def test_schema_accepts_server_settings_values_yaml_leaves_at_their_defaults() -
     assert "ORPHEUS_QUANTIZATION" not in llm  # null: the server's own default
 
 
-# ---------------------------------------------------------------- SERVER_CHECKS hold the servers' checks
+# ---------------------------------------------------------------- the schema holds the servers' checks
 
-SAMPLES = {int: [-2, -1, 0, 1, 2, 15, 16, 17, 70000], float: [-1.0, 0.0, 0.5, 1.0, 1.5, 2.0]}
+SAMPLES = {"integer": [-2, -1, 0, 1, 2, 15, 16, 17, 70000], "number": [-1.0, 0.0, 0.5, 1.0, 1.5, 2.0],
+           "array": [()], "array of integer": [(), (1,), (2, 4), (1, 0), (1, 2, 4)]}
 
 
 def _cases() -> list:
-    """(tier, config class, field, sample values) for every numeric field a pod may set and every
-    field SERVER_CHECKS constrains."""
+    """(tier, settings class, field, sample values) for every numeric, list or enum field a pod may set."""
     schema = yaml.safe_load(SCHEMA.read_text())  # JSON is YAML
     cases = []
     for tier, (cls, _) in SERVERS.items():
         settable = schema["properties"][tier]["properties"]["server"]["properties"]
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            check = SERVER_CHECKS.get(f"{tier}.server.{camel(f.name)}", {})
-            if camel(f.name) not in settable or not (check or hints[f.name] in SAMPLES):
+        for name in cls.model_fields:
+            check = field_schema(cls, name)
+            if camel(name) not in settable or not ("enum" in check or check.get("type") in SAMPLES):
                 continue
             if "enum" in check:
                 samples = [*check["enum"], "not-" + check["enum"][0]]
-            elif typing.get_origin(hints[f.name]) is tuple:
-                samples = [(), (1,), (2, 4), (1, 0), (1, 2, 4)]
+            elif check.get("items", {}).get("type") == "integer":
+                samples = SAMPLES["array of integer"]
             else:
-                samples = SAMPLES[hints[f.name]]
-            cases.append(pytest.param(tier, cls, f.name, samples, id=f"{tier}.{f.name}"))
+                samples = [*SAMPLES[check["type"]], *([cls.default(name)] if check["type"] == "array" else [])]
+            cases.append(pytest.param(tier, cls, name, samples, id=f"{tier}.{name}"))
     return cases
 
 
@@ -105,16 +104,16 @@ REQUIRED = {"front": {"workers_dns": "orpheus-megapod-llm.ns.svc.cluster.local:8
 
 
 @pytest.mark.parametrize("tier, cls, name, samples", _cases())
-def test_server_checks_refuse_what_the_server_refuses(tier: str, cls: type, name: str, samples: list) -> None:
-    """A value the server's __post_init__ refuses fails at `helm install`, and one it takes passes
-    (before the chart's own, stricter RULES): add a new check there to SERVER_CHECKS too."""
-    hint = typing.get_type_hints(cls)[name]
-    schema = {**json_type(hint), **SERVER_CHECKS.get(f"{tier}.server.{camel(name)}", {})}
+def test_the_schema_refuses_what_the_server_refuses(tier: str, cls: type, name: str, samples: list) -> None:
+    """A value the server's settings refuse (a field's bounds, or a rule between fields) fails at
+    `helm install`, and one they take passes (before the chart's own, stricter RULES): a rule
+    written only in a model validator fails here until the field says it too."""
+    schema = field_schema(cls, name)
     for value in samples:
         try:
             cls(**{**REQUIRED.get(tier, {}), name: value})
             server_takes = True
-        except ValueError:
+        except ValueError:  # pydantic's ValidationError
             server_takes = False
         schema_takes = jsonschema.Draft7Validator(schema).is_valid(list(value) if isinstance(value, tuple) else value)
         assert schema_takes == server_takes, f"{cls.__name__}.{name}={value!r}: server {server_takes}, schema {schema_takes}"
@@ -126,12 +125,11 @@ def test_server_checks_refuse_what_the_server_refuses(tier: str, cls: type, name
 def test_deploy_flags_are_the_fields_the_chart_receives() -> None:
     """Every MegaPodConfig field with no flag leaves the chart values alone, so none is missing."""
     changed = {int: lambda v: v + 1, float: lambda v: v / 2, bool: lambda v: not v, str: lambda v: v + "x"}
-    hints = typing.get_type_hints(MegaPodConfig)
-    for f in dataclasses.fields(MegaPodConfig):
-        if f.name not in deploy_cli.TOPOLOGY:
-            pod = dataclasses.replace(CPU.megapod, **{f.name: changed[hints[f.name]](getattr(CPU.megapod, f.name))})
-            assert chart_values(dataclasses.replace(CPU, megapod=pod)) == chart_values(CPU), f.name
-    assert deploy_cli.TOPOLOGY == topology_values()
+    for name in MegaPodConfig.model_fields:
+        if name not in deploy_cli.TOPOLOGY:
+            value = getattr(CPU.megapod, name)
+            pod = CPU.megapod.model_copy(update={name: changed[type(value)](value)})  # unchecked: "autox" is fine here
+            assert profile_values(dataclasses.replace(CPU, megapod=pod)) == profile_values(CPU), name
     assert {"workers", "replicas", "grace_s", "attention_backend"} <= deploy_cli.TOPOLOGY.keys()
     assert not {"host", "worker_base_port", "llm_gpus", "snac_gpu", "restart_dead"} & deploy_cli.TOPOLOGY.keys()
 
@@ -141,8 +139,9 @@ def test_deploy_flags_parse_as_megapod_up_parses_them() -> None:
         "--workers", "5", "--enforce-eager", "on", "--snac-max-wait-ms", "2.5", "--attention-backend", "FLASH_ATTN"])
     pod = deploy_cli.profile_from_args(args).megapod
     assert (pod.workers, pod.enforce_eager, pod.snac_max_wait_ms, pod.attention_backend) == (5, True, 2.5, "FLASH_ATTN")
-    assert dataclasses.replace(pod, workers=7, enforce_eager=False, snac_max_wait_ms=5.0,
-                               attention_backend="FLASHINFER") == H100.megapod  # nothing else moved
-    for argv, message in ((["--enforce-eager", "maybe"], "not a boolean"), (["--workers", "x"], "--workers")):
+    assert pod.replace(workers=7, enforce_eager=False, snac_max_wait_ms=5.0,
+                       attention_backend="FLASHINFER") == H100.megapod  # nothing else moved
+    for argv, message in ((["--enforce-eager", "maybe"], "--enforce-eager: Input should be a valid boolean"),
+                          (["--workers", "x"], "--workers"), (["--workers", "0"], "--workers: Input should be greater")):
         with pytest.raises(ValueError, match=message):
             deploy_cli.profile_from_args(deploy_cli.build_parser().parse_args(argv))

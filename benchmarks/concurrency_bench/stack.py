@@ -9,7 +9,6 @@ make sure none is left behind.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import signal
 import sys
 import time
@@ -23,7 +22,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from megapod.launcher import Child, free_block
-from megapod.topology import MegaPodConfig, megapod_config_from_cli
+from megapod.topology import MegaPodConfig
 from provenance import machine_busy_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,19 +43,19 @@ class LocalStack:
 
     def plan(self, taken: set[int]) -> None:
         """Choose ports and build the command line; `taken` collects every port used."""
-        probe = megapod_config_from_cli(self.flags)  # the benchmark's own flags parse the same way
+        probe = MegaPodConfig.from_cli(self.flags)  # the benchmark's own flags parse the same way
         ports = {}
         for flag, count in (("--front-port", 1), ("--worker-base-port", probe.workers),
                             ("--snac-base-port", probe.replicas), ("--snac-metrics-base-port", probe.replicas)):
             ports[flag] = free_block(count, taken)
             taken.update(range(ports[flag], ports[flag] + count))
         flags = [*self.flags, *(x for kv in ports.items() for x in (kv[0], str(kv[1])))]
-        self.config = megapod_config_from_cli(flags)
+        self.config = MegaPodConfig.from_cli(flags)
         self.argv = [sys.executable, "-m", "megapod", "up", *flags]
 
     @property
     def topology(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.config)
+        return self.config.model_dump()
 
     @property
     def url(self) -> str:

@@ -89,7 +89,7 @@ def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[s
         torch.cuda.empty_cache()  # the engine claims a share of what is free
     try:
         with tempfile.TemporaryDirectory(prefix="megapod-doctor-") as workdir:
-            llm = asyncio.run(check_llm(plan(device, Path(workdir), cache_dir or LlmServerConfig.cache_dir, quick)))
+            llm = asyncio.run(check_llm(plan(device, Path(workdir), cache_dir or LlmServerConfig.default("cache_dir"), quick)))
     except Exception as exc:  # the doctor reports what broke and goes on
         checks["llm_engine_starts"] = failed(exc)
     else:
