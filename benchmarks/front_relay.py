@@ -3,7 +3,7 @@ streams taken straight from the workers (the reference) in the same run.
 
 - workers: --workers test doubles of an llm-server worker (tests/paced_worker.py): every speech POST gets
   paced silent PCM, CHUNKS chunks INTERVAL_S apart (3 s of audio), and the double counts how each ended;
-- the front: the product's `megapod front`, in its own process, over those workers, on its defaults;
+- the front: the product's front (`python -m orpheus_front`, as its image runs it), in its own process, over those workers, on its defaults;
 - clients: N streams from this process (httpx), all opened at once, while /ready is probed every 0.2 s
   with the chart's readiness timeout (3 s).
 
@@ -117,7 +117,7 @@ def measure(levels: list[int], workers: int, logs: Path) -> list[dict[str, objec
     doubles = [Child(f"paced-worker-{i}", [sys.executable, str(REPO_ROOT / "tests" / "paced_worker.py"), str(p)],
                      logs / f"worker-{i}.log", f"{url}/ready") for i, (p, url) in enumerate(zip(ports, worker_urls))]
     front_url = f"http://127.0.0.1:{ports[-1]}"
-    front = Child("front", [sys.executable, "-m", "megapod", "front", "--host", "127.0.0.1", "--port", str(ports[-1]),
+    front = Child("front", [sys.executable, "-m", "orpheus_front", "--host", "127.0.0.1", "--port", str(ports[-1]),
                             "--workers", ",".join(worker_urls)], logs / "front.log", f"{front_url}/ready")
     results = []
     try:

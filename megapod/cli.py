@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"megapod up: {exc}")
         return
     if argv and argv[0] == "front":
-        from .front import FrontConfig, serve_front
+        from orpheus_front.front import main as front_main  # the front's own package, as its image runs it
 
-        serve_front(FrontConfig.from_cli(argv[1:]))
+        front_main(argv[1:])
         return
     if argv and argv[0] == "doctor":
         from .doctor import main as doctor_main  # torch and vLLM load only for the doctor

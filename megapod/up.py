@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .front import create_front_app
+from orpheus_front.front import create_front_app
 from .launcher import Launcher
 from .topology import MegaPodConfig
 

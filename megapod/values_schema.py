@@ -27,9 +27,9 @@ import yaml
 
 from llm_server.config import LlmServerConfig
 from orpheus_common.settings import Settings, camel
+from orpheus_front.front import FrontConfig
 from snac_server.config import SnacServerConfig
 
-from .front import FrontConfig
 from .render import CHART
 from .topology import MegaPodConfig
 

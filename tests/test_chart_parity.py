@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import time
 import tomllib
@@ -54,9 +55,8 @@ from test_deploy_chart import (
 
 from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import channel
-from megapod.cli import main as megapod_main
 from megapod.cluster import CPU, H100
-from megapod.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app, resolve_all
+from orpheus_front.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app, resolve_all
 from megapod.launcher import Child, free_ports
 from megapod.render import CHART, REPO, HelmRender, parse_manifests
 from megapod.topology import MegaPodConfig
@@ -208,7 +208,7 @@ def test_the_front_runs_the_projects_front_over_the_workers_headless_service(ren
     objects = RENDERS[render]()
     entry, worker = front(objects), llm(objects)
     c = container(entry)
-    assert c["command"] == ["megapod", "front"] and c["image"] == container(worker)["image"]  # the LLM image
+    assert "command" not in c and c["image"].split(":")[0].endswith("orpheus-megapod/front")  # its own image's entrypoint
     variables = {k: v.replace("$(POD_NAMESPACE)", NAMESPACE) for k, v in env(entry).items() if k.startswith("MEGAPOD_FRONT_")}
     config = FrontConfig.from_cli([], variables)
     assert config.port == port_named(entry, "http") and config.grace_s == profile_of(render).megapod.grace_s
@@ -221,7 +221,7 @@ def test_the_front_runs_the_projects_front_over_the_workers_headless_service(ren
     voice = find(objects, "Service", RELEASE)["spec"]
     assert matches(voice["selector"], pod_labels(entry)) and not matches(voice["selector"], pod_labels(worker))
     assert voice["ports"][0]["targetPort"] == "http"
-    assert env(entry)["NVIDIA_VISIBLE_DEVICES"] == "void"  # the CUDA image's "all" would give it the node's GPUs
+    assert env(entry)["NVIDIA_VISIBLE_DEVICES"] == "void"  # unset or "all", the NVIDIA runtime may give it the node's GPUs
     spec = entry["spec"]["template"]["spec"]
     assert spec["automountServiceAccountToken"] is False  # DNS, not the API: no token needed
     assert entry["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
@@ -237,16 +237,17 @@ def test_ingress_sends_every_front_door_to_the_front() -> None:
     assert paths == {"/v1": RELEASE, "/tts": RELEASE}  # /v1/audio/speech, /v1/speak; /tts/websocket, /tts/bytes
 
 
-def test_the_images_megapod_command_has_the_front() -> None:
-    """The front's container runs `megapod front`: the console script the project installs."""
+def test_the_front_image_runs_the_front_package() -> None:
+    """The front's image runs `python -m orpheus_front` (deploy/docker/front.Dockerfile's entrypoint); the
+    project installs it as `megapod-front` too, and `megapod front` is the same front."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["megapod"] == "megapod.cli:main"
-    with pytest.raises(SystemExit) as done:
-        megapod_main(["front", "--help"])
-    assert done.value.code == 0
-    with pytest.raises(SystemExit) as refused:
-        megapod_main(["front"])  # no workers: a clear error, not a front over nothing
-    assert refused.value.code == 2
+    assert project["scripts"]["megapod-front"] == "orpheus_front.front:main"
+    assert 'ENTRYPOINT ["python", "-m", "orpheus_front"]' in (REPO / "deploy" / "docker" / "front.Dockerfile").read_text()
+    for argv in (["-m", "orpheus_front"], ["-m", "megapod", "front"]):
+        done = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "MEGAPOD_FRONT_WORKERS_DNS" in done.stdout, done.stderr
+        refused = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "exactly one" in refused.stderr  # no workers: a clear error
 
 
 def test_front_settings_are_checked() -> None:
@@ -546,13 +547,13 @@ async def test_a_rolling_update_loses_no_stream(two_workers, order: str, busy: i
 
 
 def test_the_front_pod_command_finds_workers_by_dns_and_drains(two_workers, tmp_path) -> None:
-    """`megapod front` as the pod runs it (variables, not flags): it resolves the workers' name
+    """The front as its pod runs it (`python -m orpheus_front`, variables, not flags): it resolves the workers' name
     (localhost here: worker A), relays a stream, and on SIGTERM lets that stream finish and exits 0."""
     port = free_ports(1)[0]
     log = tmp_path / "front.log"
     variables = {"MEGAPOD_FRONT_WORKERS_DNS": f"localhost:{two_workers['port']}", "MEGAPOD_FRONT_PORT": str(port),
                  "MEGAPOD_FRONT_HOST": "127.0.0.1", "MEGAPOD_FRONT_GRACE_S": "30", "MEGAPOD_FRONT_REFRESH_S": "1"}
-    front = Child("front", [sys.executable, "-m", "megapod", "front"], log, f"http://127.0.0.1:{port}/ready", variables)
+    front = Child("front", [sys.executable, "-m", "orpheus_front"], log, f"http://127.0.0.1:{port}/ready", variables)
     try:
         front.start().wait_ready(120)
         body = {"model": "tts-1", "input": "Through the front pod.", "voice": "tara", "response_format": "pcm"}

@@ -6,9 +6,9 @@ import typing
 import pytest
 
 from llm_server.config import LlmServerConfig
-from megapod.front import FrontConfig
 from megapod.topology import MegaPodConfig
 from orpheus_common.settings import Settings, as_text, flag
+from orpheus_front.front import FrontConfig
 from snac_server.config import SnacServerConfig
 
 COMMANDS = [SnacServerConfig, LlmServerConfig, MegaPodConfig, FrontConfig]

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
-PRODUCT = ("codec_contract", "orpheus_common", "snac_server", "llm_server", "megapod")
+PRODUCT = ("codec_contract", "orpheus_common", "orpheus_front", "snac_server", "llm_server", "megapod")
 # Imported only by an optional backend, behind a clear error when missing (llm_server/trtllm_engine.py).
 OPTIONAL = {"tensorrt_llm": "--backend trtllm: NVIDIA's wheel, installed on the GPU hosts that choose it"}
 
@@ -70,7 +70,7 @@ def test_the_walk_sees_imports_inside_functions():
     """The lazy imports (the doctor's, the model source's) count: a walk of top-level imports alone would
     have missed transformers, which llm_server imports only when it builds the tiny model."""
     found = imported_packages()
-    assert "llm_server/model_source.py" in found["transformers"] and "megapod/front.py" in found["anyio"]
+    assert "llm_server/model_source.py" in found["transformers"] and "orpheus_front/front.py" in found["anyio"]
 
 
 # What each part may import of the project: the shared packages, never a tier beside it or `megapod` above.
@@ -79,7 +79,7 @@ LAYERS = {
     "orpheus_common": set(),
     "snac_server": {"codec_contract", "orpheus_common"},
     "llm_server": {"codec_contract", "orpheus_common"},
-    "megapod/front.py": {"orpheus_common"},  # the front relays; it runs without either tier installed
+    "orpheus_front": {"orpheus_common"},  # the front relays; it runs without either tier installed (its own image)
 }
 
 
@@ -92,3 +92,34 @@ def test_no_layer_imports_past_its_own():
             for name in (imports_of(path) & set(PRODUCT)) - allowed - own:
                 crossings.append(f"{path.relative_to(REPO)} imports {name}")
     assert not crossings, crossings
+
+
+def front_files() -> list[Path]:
+    """What the front's image runs: its package and the modules of orpheus_common it imports, transitively."""
+    files, queue = [], list((REPO / "orpheus_front").rglob("*.py"))
+    while queue:
+        path = queue.pop()
+        if path in files:
+            continue
+        files.append(path)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orpheus_common."):
+                queue.append(REPO / (node.module.replace(".", "/") + ".py"))
+    return files
+
+
+def test_the_front_extra_is_what_the_front_imports():
+    """deploy/docker/front.Dockerfile installs the `front` extra beside the project's code without its
+    dependencies: every package the front's modules import is in it, at the same floor as the project's."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    front = {canonicalize_name(r.name): r for r in map(Requirement, project["optional-dependencies"]["front"])}
+    base = {canonicalize_name(r.name): r for r in map(Requirement, project["dependencies"])}
+    distributions = importlib.metadata.packages_distributions()
+    imported = {top for path in front_files() for top in imports_of(path) - set(PRODUCT) - sys.stdlib_module_names}
+    missing = {m for m in imported if not {canonicalize_name(d) for d in distributions.get(m, [])} & front.keys()}
+    assert not missing, f"the front imports {sorted(missing)}, not in the `front` extra"
+    assert "torch" not in front and "numpy" not in front
+    differ = [str(r) for name, r in front.items() if name in base and str(r) != str(base[name])]
+    assert not differ, f"the `front` extra and the dependencies disagree: {differ}"
+    assert REPO / "orpheus_common" / "draining.py" in front_files() and REPO / "orpheus_common" / "sync_detector.py" not in front_files()

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from megapod.front import KEEPALIVE
+from orpheus_front.front import KEEPALIVE
 from megapod.launcher import Child, free_ports
 from paced_worker import CHUNK_BYTES, CHUNKS, SPEECH_PATHS
 
@@ -32,7 +32,7 @@ def front_and_worker(tmp_path_factory):
     worker_port, front_port = free_ports(2)
     worker = Child("paced-worker", [sys.executable, str(Path(__file__).with_name("paced_worker.py")), str(worker_port)],
                    logs / "worker.log", f"http://127.0.0.1:{worker_port}/ready")
-    front = Child("front", [sys.executable, "-m", "megapod", "front", "--host", "127.0.0.1", "--port", str(front_port),
+    front = Child("front", [sys.executable, "-m", "orpheus_front", "--host", "127.0.0.1", "--port", str(front_port),
                             "--workers", f"http://127.0.0.1:{worker_port}"], logs / "front.log",
                   f"http://127.0.0.1:{front_port}/ready")
     worker.start().wait_ready(60)

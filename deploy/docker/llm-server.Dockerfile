@@ -12,6 +12,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY codec_contract ./codec_contract
 COPY orpheus_common ./orpheus_common
+COPY orpheus_front ./orpheus_front
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

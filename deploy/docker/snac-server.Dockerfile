@@ -21,13 +21,14 @@ WORKDIR /src
 COPY pyproject.toml ./
 # The dependencies in a layer of their own, installed over empty packages: a change to the sources
 # (README.md, pyproject's readme, included) rebuilds only the last step below, not this one.
-RUN for p in codec_contract orpheus_common snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
+RUN for p in codec_contract orpheus_common orpheus_front snac_server llm_server megapod; do mkdir -p $p && touch $p/__init__.py; done \
  && touch README.md \
  && echo "torch==${TORCH_VERSION}" > /tmp/keep.txt \
  && pip install --constraint /tmp/keep.txt . \
  && pip uninstall -y orpheus-megapod
 COPY codec_contract ./codec_contract
 COPY orpheus_common ./orpheus_common
+COPY orpheus_front ./orpheus_front
 COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the CPU images of both tiers from deploy/docker/ and run the stack from them, here.
+"""Build the CPU images of both tiers and the front from deploy/docker/ and run the stack from them, here.
 
     .venv/bin/python deploy/images/build_and_run.py            # or: make test-images
 
@@ -12,15 +12,16 @@ Steps, each reusing what an earlier run left (the engine's layer cache, the mirr
      included) are fetched with this machine's pip into deploy/images/.cache/wheels, indexed
      (PEP 503) and served on 127.0.0.1; the builds point PIP_INDEX_URL and TORCH_INDEX_URL at it.
      The Dockerfiles' defaults stay the public indexes;
-  4. build deploy/docker/llm-server-cpu.Dockerfile and deploy/docker/snac-server.Dockerfile (the
-     latter with torch's CPU build: a CPU-only variant of the codec image, tagged -cpu), once the
+  4. build deploy/docker/llm-server-cpu.Dockerfile, deploy/docker/snac-server.Dockerfile (with
+     torch's CPU build: a CPU-only variant of the codec image, tagged -cpu) and deploy/docker/front.Dockerfile
+     (no torch: checked in the running image), once the
      engine's storage has room for a cold build (untagged images of earlier builds go if short);
-  5. run codec replicas and one LLM worker as containers on the host network (loopback ports),
-     wait until they are ready, speak through the worker with `megapod say` and with the openai
+  5. run codec replicas, one LLM worker and the front as containers on the host network (loopback
+     ports), wait until they are ready, speak through the front with `megapod say` and with the openai
      SDK (streaming), check real audio came back;
   6. remove the containers (always) and write the result JSON (deploy/images/result-cpu.json).
 
-Exit status 0 only if both images built, the stack became ready and both clients got audio.
+Exit status 0 only if the three images built, the stack became ready and both clients got audio.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ TORCH_VERSION = "2.13.0"
 IMAGES = {  # name -> (Dockerfile, local tag)
     "llm-server-cpu": ("llm-server-cpu.Dockerfile", "localhost/orpheus-megapod/llm-server:0.1.0-cpu"),
     "snac-server-cpu": ("snac-server.Dockerfile", "localhost/orpheus-megapod/snac-server:0.1.0-cpu"),
+    "front": ("front.Dockerfile", "localhost/orpheus-megapod/front:0.1.0"),
 }
 CONTAINER_PREFIX = "megapod-images-"
 TEXT = "Hello from the containers. The codec and the language model each run in an image of their own."
@@ -393,9 +395,12 @@ def build(engine: Engine, name: str, mirror_url: str) -> dict:
     size = engine.image_size(tag)
     config = json.loads(engine("image", "inspect", "--format", "{{json .Config}}", tag, capture=True).stdout)
     log(f"built {tag}: {seconds:.0f} s, {size / 1e9:.2f} GB ({cached}/{steps} steps from the cache)")
+    # Whether torch is installed: the front's image must run without it.
+    has_torch = engine("run", "--rm", *engine.ulimits, "--entrypoint", "python", tag, "-c",
+                       "import importlib.util; print(importlib.util.find_spec('torch') is not None)", capture=True)
     return {"dockerfile": f"deploy/docker/{dockerfile}", "tag": tag, "build_s": round(seconds, 1),
             "steps": steps, "steps_from_cache": cached, "tag_existed_before": existed,
-            "size_bytes": size, "size_gb": round(size / 1e9, 2),
+            "size_bytes": size, "size_gb": round(size / 1e9, 2), "has_torch": has_torch.stdout.strip() == "True",
             "user": config.get("User"), "entrypoint": config.get("Entrypoint")}
 
 
@@ -488,9 +493,9 @@ def _check_pcm(pcm: bytes, what: str) -> None:
 
 
 def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: dict, names: list[str]) -> str:
-    llm_tag, snac_tag = IMAGES["llm-server-cpu"][1], IMAGES["snac-server-cpu"][1]
-    ports = free_ports(2 * replicas + 1)
-    snac_ports, metric_ports, worker_port = ports[:replicas], ports[replicas:2 * replicas], ports[-1]
+    llm_tag, snac_tag, front_tag = (IMAGES[name][1] for name in ("llm-server-cpu", "snac-server-cpu", "front"))
+    ports = free_ports(2 * replicas + 2)
+    snac_ports, metric_ports, (worker_port, front_port) = ports[:replicas], ports[replicas:2 * replicas], ports[-2:]
     common = ["run", "-d", "--network", "host", *engine.ulimits, "--shm-size", "1g"]
     checks: dict[str, str] = {}
     started = time.perf_counter()
@@ -506,11 +511,19 @@ def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: d
     engine(*common, "--name", name, llm_tag, "--host", "127.0.0.1", "--port", str(worker_port), "--snac", snac,
            "--model", "tiny", "--device", "cpu", "--enforce-eager", "true", "--max-model-len", "2048",
            "--cpu-kv-cache-gb", "1", capture=True)
-    endpoint = f"http://127.0.0.1:{worker_port}"
+    worker = f"http://127.0.0.1:{worker_port}"
+    checks[name] = f"{worker}/ready"
+    name = f"{CONTAINER_PREFIX}front"
+    names.append(name)
+    engine(*common, "--name", name, front_tag, "--host", "127.0.0.1", "--port", str(front_port), "--workers", worker,
+           capture=True)
+    endpoint = f"http://127.0.0.1:{front_port}"
     checks[name] = f"{endpoint}/ready"
-    log(f"started {replicas} codec replica(s) on {snac} and a worker on {endpoint}; waiting for readiness")
+    log(f"started {replicas} codec replica(s) on {snac}, a worker on {worker} and the front on {endpoint}; "
+        "waiting for readiness")
     ready = wait_ready(engine, checks, started, ready_timeout_s)
-    result["stack"] = {"codec_replicas": replicas, "codec_addresses": snac, "worker_endpoint": endpoint,
+    result["stack"] = {"codec_replicas": replicas, "codec_addresses": snac, "worker_endpoint": worker,
+                       "front_endpoint": endpoint,
                        "llm_model": "tiny (random weights)", "snac_model": "random-24khz (random weights)",
                        "start_to_ready_s": ready, "all_ready_s": max(ready.values())}
     return endpoint

@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import httpx
-from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -48,9 +48,10 @@ MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_strea
 
 
 class FrontConfig(Settings):
-    """Settings of a front run alone (`megapod front`); flags --field-name, variables MEGAPOD_FRONT_FIELD."""
+    """Settings of a front run alone (`megapod-front`, or `megapod front`); flags --field-name, variables
+    MEGAPOD_FRONT_FIELD."""
 
-    model_config = SettingsConfigDict(env_prefix="MEGAPOD_FRONT_", cli_prog_name="megapod front")
+    model_config = SettingsConfigDict(env_prefix="MEGAPOD_FRONT_", cli_prog_name="megapod-front")
 
     host: str = "0.0.0.0"
     port: int = 8000
@@ -454,3 +455,10 @@ def serve_front(config: FrontConfig) -> None:
     server.run()
     if not server.started:
         raise SystemExit(3)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`megapod-front` (the front image's entrypoint) and `megapod front`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    serve_front(FrontConfig.from_cli(argv))

@@ -1,0 +1,3 @@
+"""The MegaPod's front: one endpoint before the LLM workers, relaying every front door to the worker
+with the fewest active streams. Its own component: it imports neither tier (only orpheus_common) and
+runs from its own slim image (deploy/docker/front.Dockerfile: no torch, no vLLM)."""

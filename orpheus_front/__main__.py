@@ -1,0 +1,3 @@
+from .front import main
+
+main()
