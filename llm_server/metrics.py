@@ -35,6 +35,9 @@ class LlmMetrics:
         self.tokens = Counter("orpheus_generated_tokens", "Audio-code tokens generated", registry=r)
         self.frames = Counter("orpheus_frames", "Audio frames generated (7 tokens each)", registry=r)
         self.audio_seconds = Counter("orpheus_audio_seconds", "Seconds of audio delivered", registry=r)
+        # kind: loop (the model repeated a few frames for 2 s: ended there), budget (no end of speech
+        # within the text's token budget: ended by it)
+        self.runaway = Counter("orpheus_runaway_segments", "Segments ended for runaway generation", ["kind"], registry=r)
         # outcome: ok, disconnected, error, slow_client (cut off), cancelled (barge-in), refused (a stream cap),
         # invalid_input (a segment's prompt too long for the context)
         self.requests = Counter("orpheus_requests", "Speech requests by outcome", ["outcome"], registry=r)

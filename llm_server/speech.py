@@ -22,6 +22,7 @@ from .config import LlmServerConfig
 from .engine import Engine, Sampling
 from .metrics import LlmMetrics
 from .prompt import Tokenizer, prompt_ids, token_budget
+from .runaway import WINDOW, LoopDetector
 
 log = logging.getLogger(__name__)
 MIN_SPEECH_TOKENS = 8  # the fewest tokens a segment is generated with: room the prompt must leave
@@ -153,18 +154,33 @@ class SpeechPipeline:
             raise PromptTooLong(f"a segment of the input ({len(text)} characters) is a {len(ids)}-token prompt; this "
                                 f"worker's context is {self._config.max_model_len} tokens (max_model_len)")
         out.prompt_tokens += len(ids)
-        assembler = FrameAssembler()
-        generation = self.engine.generate(ids, self._sampling(text, len(ids), seed), request_id)
-        # Closed here even when cancelled mid-send: the engine aborts the request at once,
-        # not whenever the garbage collector finalizes a dropped generator.
+        assembler, loops = FrameAssembler(), LoopDetector()
+        sampling = self._sampling(text, len(ids), seed)
+        generation = self.engine.generate(ids, sampling, request_id)
+        generated = sent = 0
+        keep: int | None = None
+        # Closed here even when cancelled mid-send (or ended for a loop): the engine aborts the request
+        # at once, not whenever the garbage collector finalizes a dropped generator.
         async with aclosing(generation):
             async for tokens in generation:
+                generated += len(tokens)
                 out.generated_tokens += len(tokens)
                 self._metrics.tokens.inc(len(tokens))
                 frames = assembler.feed(tokens)
+                if (keep := loops.feed(frames)) is not None:
+                    frames = frames[:keep]  # up to the frame that completed the loop: a frame boundary
                 if len(frames):
                     self._metrics.frames.inc(len(frames))
+                    sent += len(frames)
                     await codec.send(frames)
+                if keep is not None:
+                    self._metrics.runaway.labels("loop").inc()
+                    log.warning("%s: the model looped (a %d-frame block over %d frames); segment ended after "
+                                "%d frames", request_id, loops.period, WINDOW, sent)
+                    break
+        if keep is None and not assembler.stopped and generated >= sampling.max_tokens:
+            self._metrics.runaway.labels("budget").inc()  # it would have gone on: the text's budget ended it
+            log.warning("%s: no end of speech within the segment's budget of %d tokens", request_id, sampling.max_tokens)
         assembler.finish()
         if assembler.dropped_tokens:
             log.warning("%s: dropped %d tokens of a partial frame", request_id, assembler.dropped_tokens)

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -53,6 +59,12 @@ async def stub(snac_server):
         yield codec_pb2_grpc.SnacCodecStub(ch)
 
 
+@pytest.fixture
+def image_build(request: pytest.FixtureRequest) -> tuple[subprocess.Popen, Path]:
+    """The background build phase pytest_collection_finish started, and its folder."""
+    return request.config.stash[IMAGE_BUILD]
+
+
 @pytest.fixture(scope="session")
 def megapod(tmp_path_factory):
     """`megapod up` with 2 workers (8 streams each) and 2 codec replicas, as a user runs it: started once
@@ -92,8 +104,38 @@ STOPPERS = ("stops_the_megapod", "stops_the_worker")
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "stops_the_megapod: ends the session's `megapod up`, so it runs after every other test")
     config.addinivalue_line("markers", "stops_the_worker: ends the session's worker_stack, so it runs after every other test")
+    config.addinivalue_line("markers", "builds_the_images: waits for the images built in the background; runs last")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that end a session's stack run after every other test."""
-    items.sort(key=lambda item: any(item.get_closest_marker(m) for m in STOPPERS))  # stable: order kept
+    """Tests that end a session's stack run after every other test, and the image test after them: its
+    images build in the background meanwhile (pytest_collection_finish)."""
+    items.sort(key=lambda item: (item.get_closest_marker("builds_the_images") is not None,
+                                 any(item.get_closest_marker(m) for m in STOPPERS)))  # stable: order kept
+
+
+IMAGE_BUILD = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The image test's build phase (deploy/images/build_and_run.py --phase build) starts now, in the
+    background, its build steps held to half a CPU: minutes of pip and layer work overlap the other
+    tests instead of following them. The test waits for it, then runs the containers."""
+    if not any(item.get_closest_marker("builds_the_images") for item in session.items):
+        return
+    if os.environ.get("MEGAPOD_TEST_IMAGES") != "1":
+        return
+    work = Path(tempfile.mkdtemp(prefix="megapod-images-"))
+    script = Path(__file__).resolve().parent.parent / "deploy" / "images" / "build_and_run.py"
+    with open(work / "build.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(script), "--phase", "build", "--build-cpus", "0.5",
+                                 "--result", str(work / "result-cpu.json")], stdout=log, stderr=subprocess.STDOUT)
+    session.config.stash[IMAGE_BUILD] = (proc, work)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A build the session did not wait for (the image test deselected, failed early, interrupted) stops with it."""
+    build = session.config.stash.get(IMAGE_BUILD, None)
+    if build and build[0].poll() is None:
+        build[0].terminate()  # the script unwinds on SIGTERM: no container is left
+        build[0].wait(timeout=120)

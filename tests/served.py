@@ -36,12 +36,15 @@ class ScriptedEngineDouble:
     after `fail_after_frames`, once `fail_gate` is set (by a test that has seen audio arrive)."""
 
     def __init__(self, frames: int = 48, frames_per_batch: int = 2, batch_delay_s: float = 0.002,
-                 fail_after_frames: int | None = None) -> None:
+                 fail_after_frames: int | None = None, loop_after: int | None = None, loop_period: int = 4,
+                 end_of_speech: bool = True) -> None:
         self.frames = frames
         self.frames_per_batch = frames_per_batch
         self.batch_delay_s = batch_delay_s
         self.fail_after_frames = fail_after_frames
         self.fail_gate = asyncio.Event()
+        self.loop_after, self.loop_period = loop_after, loop_period  # then one block of frames, over and over
+        self.end_of_speech = end_of_speech  # False: generation stops at `frames` without it (a spent budget)
         self.live = 0  # generators started and not yet finalized
 
     async def start(self) -> None:
@@ -58,11 +61,17 @@ class ScriptedEngineDouble:
                     raise EngineError("scripted engine failure")
                 n = min(self.frames_per_batch, self.frames - sent)
                 await asyncio.sleep(self.batch_delay_s)
-                yield [code_to_token(rng.randrange(4096), slot) for _ in range(n) for slot in range(7)]
+                yield [code_to_token(self._code(rng, sent + i, slot), slot) for i in range(n) for slot in range(7)]
                 sent += n
-            yield [END_OF_SPEECH]
+            if self.end_of_speech:
+                yield [END_OF_SPEECH]
         finally:
             self.live -= 1
+
+    def _code(self, rng: random.Random, frame: int, slot: int) -> int:
+        if self.loop_after is not None and frame >= self.loop_after:
+            return (frame - self.loop_after) % self.loop_period * 7 + slot  # the block's frames differ, then repeat
+        return rng.randrange(4096)
 
     async def abort(self, request_id: str) -> None:
         pass

@@ -4,9 +4,11 @@ End to end with a real container engine (podman): deploy/images/build_and_run.py
 stand-in, the three images, starts codec replica containers, an LLM worker container and the front's
 on loopback, speaks through the front with `megapod say` and the openai SDK, and removes the containers.
 
-`make test` runs it (it installs podman and sets MEGAPOD_TEST_IMAGES=1): a cold run took 6.7 min on
-two cores, 2-4 min with the layers cached (deploy/README.md, "Building and running the images
-here"). A plain `pytest` skips it, since it needs a container engine and about 1 GB of wheels.
+`make test` runs it (it installs podman and sets MEGAPOD_TEST_IMAGES=1): the build phase starts in the
+background when the tests are collected, its steps held to half a CPU, and this test, last, waits for
+it, then runs the containers (tests/conftest.py). A cold build took 6.7 min alone on two cores, 2-4
+min with the layers cached (deploy/README.md, "Building and running the images here"). A plain
+`pytest` skips it, since it needs a container engine and about 1 GB of wheels.
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ opt_in = pytest.mark.skipif(
 
 
 @opt_in
+@pytest.mark.builds_the_images
 @pytest.mark.timeout(7200)
-def test_the_images_build_and_the_stack_speaks_from_them(tmp_path: Path) -> None:
-    result_path = tmp_path / "result-cpu.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--result", str(result_path)],
-                          check=False, capture_output=True, text=True, timeout=7000)
-    assert result_path.exists(), f"no result written; exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+def test_the_images_build_and_the_stack_speaks_from_them(image_build) -> None:
+    build, work = image_build
+    result_path = work / "result-cpu.json"
+    assert build.wait(timeout=5400) == 0, (work / "build.log").read_text()[-4000:]  # the background build phase
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--phase", "run", "--result", str(result_path)],
+                          check=False, capture_output=True, text=True, timeout=1800)
     result = json.loads(result_path.read_text())
     assert proc.returncode == 0 and result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
+    assert result["phase"] == "run" and result["images_built"]
 
     images = result["images"]
     assert images.keys() == {"llm-server-cpu", "snac-server-cpu", "front"}

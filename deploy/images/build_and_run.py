@@ -372,10 +372,12 @@ def build_context(engine: Engine, dockerfile: str) -> tuple[Path, list[str]]:
     return context, []
 
 
-def build(engine: Engine, name: str, mirror_url: str) -> dict:
+def build(engine: Engine, name: str, mirror_url: str, cpus: float = 0.0) -> dict:
     dockerfile, tag = IMAGES[name]
     existed = engine.image_exists(tag)
-    cmd = ["build", "--network", "host", *engine.ulimits, "-f", str(DOCKER / dockerfile), "-t", tag,
+    # A CFS quota on each build step: a build beside other work (make test's) takes its share, not the machine.
+    quota = ["--cpu-period", "100000", "--cpu-quota", str(int(cpus * 100000))] if cpus else []
+    cmd = ["build", "--network", "host", *engine.ulimits, *quota, "-f", str(DOCKER / dockerfile), "-t", tag,
            "--build-arg", f"PYTHON_IMAGE={PYTHON_STANDIN}",
            "--build-arg", f"PIP_INDEX_URL={mirror_url}", "--build-arg", f"TORCH_INDEX_URL={mirror_url}"]
     log(f"building {tag} from deploy/docker/{dockerfile}")
@@ -555,6 +557,25 @@ def host_facts() -> dict:
                         if line.startswith("PRETTY_NAME=")), "")}
 
 
+def build_images(engine: Engine, args: argparse.Namespace, result: dict, timings: dict) -> Mirror:
+    """Steps 2-4: the base, the mirror (returned, serving), every image."""
+    ensure_base(engine, timings)
+    result["base"]["python"] = engine("run", "--rm", *engine.ulimits, PYTHON_STANDIN, "python", "--version",
+                                      capture=True).stdout.strip()
+    t = time.perf_counter()
+    wheels = ensure_wheels()
+    mirror = Mirror(write_index(wheels), args.mirror_port)
+    timings["mirror_s"] = round(time.perf_counter() - t, 1)
+    result["mirror"] = {"url": mirror.url, "wheels": sum(1 for _ in wheels.glob("*.whl")),
+                        "bytes": sum(p.stat().st_size for p in wheels.glob("*.whl"))}
+    ensure_space(engine, result)
+    result["images"] = {}
+    for name in IMAGES:
+        result["images"][name] = build(engine, name, mirror.url, args.build_cpus)
+    result["images_built"] = True
+    return mirror
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default=os.environ.get("MEGAPOD_IMAGES_ENGINE", "auto"),
@@ -563,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mirror-port", type=int, default=18765, help="the loopback PyPI mirror's port")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--result", type=Path, default=HERE / "result-cpu.json")
+    parser.add_argument("--phase", choices=["all", "build", "run"], default="all",
+                        help="build: steps 1-4 only; run: steps 5-6 on the images a build phase left, its result "
+                             "(--result) extended (make test builds in the background while the other tests run)")
+    parser.add_argument("--build-cpus", type=float, default=0.0,
+                        help="CPUs each build step may use (the engine's CFS quota); 0: no limit")
     args = parser.parse_args(argv)
 
     # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so the containers still go.
@@ -572,8 +598,10 @@ def main(argv: list[str] | None = None) -> int:
                     "base": {"image": PYTHON_STANDIN, "stands_in_for": STANDS_IN_FOR,
                              "what": "debootstrap --variant=minbase bookworm + Debian python3.11 "
                                      "(deploy/images/python-standin.Containerfile); not the registry image"}}
-    timings: dict = {}
-    result["timings"] = timings
+    if args.phase == "run":  # the build phase's result, carried on
+        result = {**json.loads(args.result.read_text()), "ok": False}
+    timings: dict = result.setdefault("timings", {})
+    result["phase"] = args.phase
     names: list[str] = []
     engine = mirror = None
     total = time.perf_counter()
@@ -585,21 +613,15 @@ def main(argv: list[str] | None = None) -> int:
         if stale:
             log(f"removing containers an interrupted run left: {stale}")
             remove_containers(engine, stale)
-        ensure_base(engine, timings)
-        result["base"]["python"] = engine("run", "--rm", *engine.ulimits, PYTHON_STANDIN, "python", "--version",
-                                          capture=True).stdout.strip()
-        t = time.perf_counter()
-        wheels = ensure_wheels()
-        mirror = Mirror(write_index(wheels), args.mirror_port)
-        timings["mirror_s"] = round(time.perf_counter() - t, 1)
-        result["mirror"] = {"url": mirror.url, "wheels": sum(1 for _ in wheels.glob("*.whl")),
-                            "bytes": sum(p.stat().st_size for p in wheels.glob("*.whl"))}
-        ensure_space(engine, result)
-        result["images"] = {}
-        for name in IMAGES:
-            result["images"][name] = build(engine, name, mirror.url)
-        mirror.close()
-        mirror = None
+        if args.phase != "run":
+            mirror = build_images(engine, args, result, timings)
+            mirror.close()
+            mirror = None
+        elif not result.get("images_built"):
+            raise Failure(f"--phase run: {args.result} holds no finished build phase: {result.get('error')}")
+        if args.phase == "build":
+            result["ok"] = True
+            return 0
         endpoint = start_stack(engine, args.replicas, args.ready_timeout_s, result, names)
         out = CACHE / "say.wav"
         result["megapod_say"] = megapod_say(endpoint, out)
