@@ -41,7 +41,7 @@ $(CLIENTS_STAMP): client_tests/requirements.txt
 serve: $(STAMP)
 	$(BIN)/megapod up
 
-# MEGAPOD_TEST_IMAGES=1: the suite also builds both CPU images and runs the stack from them
+# MEGAPOD_TEST_IMAGES=1: the suite also builds the CPU images and the front's and runs the stack from them
 # (tests/test_images_run.py; about 7 minutes cold on two cores, 2 to 4 when the layers are cached).
 # --durations: where the time goes, in every run's log.
 test: $(STAMP) $(CLIENTS_STAMP) $(ENGINE_STAMP)
@@ -57,7 +57,7 @@ $(ENGINE_STAMP): $(STAMP)
 	fi
 	touch $(ENGINE_STAMP)
 
-# The images alone: build the CPU images of both tiers from deploy/docker/ and run the stack from
+# The images alone: build the CPU images of both tiers and the front's from deploy/docker/ and run the stack from
 # them (codec replicas and an LLM worker as containers on loopback, driven by `megapod say` and the
 # openai SDK): deploy/images/build_and_run.py, result in deploy/images/result-cpu.json.
 # `make test` runs the same through tests/test_images_run.py.

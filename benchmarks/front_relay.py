@@ -1,4 +1,4 @@
-"""How many concurrent streams one `megapod front` relays whole, and at what cost, measured against the same
+"""How many concurrent streams one front (orpheus_front) relays whole, and at what cost, measured against the same
 streams taken straight from the workers (the reference) in the same run.
 
 - workers: --workers test doubles of an llm-server worker (tests/paced_worker.py): every speech POST gets
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = all(r["through_front"]["whole"] == r["streams"] and not r["through_front"]["a_stream_waited_for_another"]
                  and r["through_front"]["ready_probes"]["answered_200"] == r["through_front"]["ready_probes"]["sent"]
                  for r in results)
-    out = {"what": "megapod front relaying paced streams from worker doubles (tests/paced_worker.py), against the same "
+    out = {"what": "the front (python -m orpheus_front) relaying paced streams from worker doubles (tests/paced_worker.py), against the same "
                    "streams straight at the doubles", "stream": {"chunks": CHUNKS, "interval_s": INTERVAL_S, "chunk_bytes": CHUNK_BYTES},
            "workers": args.workers, "passed": passed, "levels": results, "provenance": record(PACKAGES)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,7 @@ class LlmServerConfig(Settings):
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_model_len: int = 2048
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gb: float = 2.0
     enable_prefix_caching: bool = True
     quantization: str = ""  # e.g. fp8_per_tensor (on-the-fly FP8 of a bf16 checkpoint)

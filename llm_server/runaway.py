@@ -26,14 +26,14 @@ class LoopDetector:
         if not 1 <= max_period < window:
             raise ValueError("need 1 <= max_period < window: a loop repeats its block at least twice")
         self.max_period = max_period
-        self._recent: deque[tuple[int, ...]] = deque(maxlen=window)
+        self._recent: deque[bytes] = deque(maxlen=window)  # each frame's codes, as bytes: compared exactly
         self.period = 0  # of the loop found; 0 while none
 
     def feed(self, frames: np.ndarray) -> int | None:
         """How many of `frames` to keep when a loop completes among them (up to and including the frame
         that completes it); None while there is none."""
         for i, frame in enumerate(frames):
-            self._recent.append(tuple(int(code) for code in frame))
+            self._recent.append(frame.tobytes())
             if period := self._loop_period():
                 self.period = period
                 return i + 1

@@ -1,6 +1,6 @@
 """The `megapod` command: `up` runs a MegaPod here, `deploy` puts one on Kubernetes, `say` speaks through one,
 `doctor` checks a machine (its GPU, if it has one) and says how many streams it carries, `front` runs the
-front endpoint alone (the chart's front pods).
+front endpoint alone (orpheus_front, as the front's image runs it with `python -m orpheus_front`).
 
 Each subcommand imports what it needs when it runs: `megapod doctor --codec-only` must work on a GPU node
 that has torch and the codec tier but no web stack or vLLM."""

@@ -93,7 +93,6 @@ RULES = {
     "snac.server.metricsPort": PORT,  # the Service and the NetworkPolicy name it
     # A pod owns its GPUs: no cuda:N (MegaPodConfig's llm_device and snac_device, and their check).
     "*.server.device": {"enum": ["auto", "cpu", "cuda"]},
-    "llm.server.gpuMemoryUtilization": {**POSITIVE, "maximum": 1},  # MegaPodConfig's check
     "drain.*": {"type": "number", **AT_LEAST_0},  # MegaPodConfig grace_s, endpoint_delay_s
     "snac.server.healthPort": PORT,  # the kubelet's gRPC probes name it
     "*.existing*Secret": SECRET_NAME,
@@ -157,7 +156,7 @@ def _from_values(value: object, path: str, opened: set[str]) -> dict:
 
 
 def _server(tier: str, values: dict, templates: str) -> dict:
-    """llm.server / snac.server: the config dataclass's fields, as the chart lets a pod set them."""
+    """llm.server / snac.server / front.server: the settings model's fields, as the chart lets a pod set them."""
     cls, prefix = SERVERS[tier]
     set_by_chart = {name.lower() for name in re.findall(rf"name:\s*{prefix}(\w+)", templates)} & cls.model_fields.keys()
     fields = [name for name in cls.model_fields if name not in set_by_chart | KEEP_DEFAULT]

@@ -34,7 +34,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid", validate_default=True, cli_kebab_case=True,
                                       cli_avoid_json=True, cli_implicit_flags=False, cli_exit_on_error=True,
-                                      cli_show_env_vars=True)
+                                      cli_show_env_vars=True,
+                                      cli_parse_none_str="\x00none")  # never typed: `--tokenizer None` stays a string
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

@@ -138,4 +138,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     build = session.config.stash.get(IMAGE_BUILD, None)
     if build and build[0].poll() is None:
         build[0].terminate()  # the script unwinds on SIGTERM: no container is left
-        build[0].wait(timeout=120)
+        try:
+            build[0].wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            build[0].kill()

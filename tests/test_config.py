@@ -21,6 +21,7 @@ def test_flags_override_env_and_parse_as_the_field_types():
     assert config.dtype == "float16"  # env beats default
     assert config.cuda_graphs is False
     assert config.frame_buckets == (1, 4, 8)
+    assert LlmServerConfig.from_cli(["--tokenizer", "None"], {}).tokenizer == "None"  # a string, as before
 
 
 def test_only_the_command_line_reads_the_environment(monkeypatch):

@@ -307,7 +307,7 @@ def _pod_env(deployment: dict, prefix: str) -> dict[str, str]:
 @pytest.mark.parametrize("render", list(RENDERS))
 def test_pods_run_the_same_servers_as_megapod_up(render: str) -> None:
     """The pods' variables, parsed by the servers' own config loaders, equal the configs the local
-    launcher builds from the same MegaPodConfig (MegaPodConfig.snac_settings / worker_settings), except the
+    launcher builds from the same MegaPodConfig (MegaPodConfig.replica_flags / worker_flags), except the
     addresses that differ between one machine and a cluster."""
     objects, pod = RENDERS[render](), profile_of(render).megapod
     snac_pod = SnacServerConfig.from_cli([], _pod_env(snac(objects), "SNAC_"))

@@ -16,14 +16,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / ".gpu-kit"
 BLOCKED = ("vllm", "fastapi", "uvicorn", "httpx", "av", "soxr")
+# The settings' packages: the node lacks them too, so they import only once the kit's folder is on the path.
+KIT_ONLY = ("pydantic", "pydantic_core", "pydantic_settings", "dotenv", "typing_inspection", "annotated_types")
 # Imported at start-up from PYTHONPATH: these top-level packages raise ImportError, as on the GPU node.
 SITECUSTOMIZE = f"""
 import importlib.abc, sys
 
 class _NotOnTheGpuNode(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in {BLOCKED!r}:
+        top = name.partition(".")[0]
+        if top in {BLOCKED!r}:
             raise ImportError(f"{{name}} is not installed on the GPU node")
+        if top in {KIT_ONLY!r} and not any("megapod-gpu-site." in p for p in sys.path):
+            raise ImportError(f"{{name}} is not installed on the GPU node (the kit brings it)")
         return None
 
 sys.meta_path.insert(0, _NotOnTheGpuNode())
@@ -52,7 +57,7 @@ def first_contact(node_env, tmp_path_factory) -> tuple[subprocess.CompletedProce
     return ran, out
 
 
-@pytest.mark.parametrize("module", BLOCKED)
+@pytest.mark.parametrize("module", BLOCKED + KIT_ONLY)
 def test_the_stand_in_node_cannot_import_the_llm_or_web_stack(node_env, module):
     """Else the dry-run below would prove nothing about a node without them."""
     done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=node_env)
@@ -68,7 +73,9 @@ def test_the_megapod_command_loads_no_web_stack_or_vllm_before_a_subcommand_need
 
 def test_the_kit_is_small_and_holds_the_codec_wheels(first_contact):
     wheels = sorted(p.name for p in KIT.glob("*.whl"))
-    assert [w.split("-")[0] for w in wheels] == ["grpcio", "grpcio_health_checking", "grpcio_reflection", "protobuf", "snac"]
+    assert [w.split("-")[0] for w in wheels] == [
+        "annotated_types", "grpcio", "grpcio_health_checking", "grpcio_reflection", "protobuf", "pydantic", "pydantic_core",
+        "pydantic_settings", "python_dotenv", "snac", "typing_extensions", "typing_inspection"]
     assert all("cp312" in w or "abi3" in w or "py3-none-any" in w for w in wheels), wheels
     assert sum(p.stat().st_size for p in KIT.iterdir()) < 48 * 2**20
 

@@ -46,7 +46,7 @@ def test_committed_schema_is_the_generated_one() -> None:
         ("llm.probes.startup.periodSecond=5", "periodSecond"),  # a typo in a closed object
         ("monitors=true", "monitors"),  # an unknown top-level key
         ("llm.replicas=seven", "llm.replicas"),  # wrong type (values.yaml's)
-        ("snac.server.maxWaitMs=soon", "snac.server.maxWaitMs"),  # wrong type (the dataclass's)
+        ("snac.server.maxWaitMs=soon", "snac.server.maxWaitMs"),  # wrong type (the settings model's)
         ("images.llm.pullPolicy=Sometimes", "pullPolicy"),  # enum kept in RULES
         ("llm.server.trtllmAttention=maybe", "trtllmAttention"),  # the settings' own (LlmServerConfig's Literal)
         ("snac.server.dtype=float64", "dtype"),

@@ -30,7 +30,8 @@ export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   echo "installed from the kit into $site: $(echo $wheels | xargs -n1 basename 2>/dev/null | tr '\n' ' ')"
   "$python" - <<'PY'
 import importlib.metadata as md, platform, torch
-names = ("torch", "numpy", "snac", "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "prometheus-client")
+names = ("torch", "numpy", "snac", "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "prometheus-client",
+         "pydantic", "pydantic-settings")
 print("python", platform.python_version(), "| torch cuda", torch.version.cuda, "| cuda available", torch.cuda.is_available())
 print(" | ".join(f"{n} {md.version(n)}" for n in names))
 PY

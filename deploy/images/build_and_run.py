@@ -8,7 +8,7 @@ Steps, each reusing what an earlier run left (the engine's layer cache, the mirr
   2. the base: the Dockerfiles' base, python:3.11.13-slim-bookworm, comes from a registry this
      machine cannot reach, so a NAMED STAND-IN is built locally (deploy/images/python-standin.Containerfile:
      debootstrap'd Debian bookworm minbase + Debian's python3.11) and passed as PYTHON_IMAGE;
-  3. a PyPI mirror on loopback: the Python packages both images install (torch's CPU build
+  3. a PyPI mirror on loopback: the Python packages the images install (torch's CPU build
      included) are fetched with this machine's pip into deploy/images/.cache/wheels, indexed
      (PEP 503) and served on 127.0.0.1; the builds point PIP_INDEX_URL and TORCH_INDEX_URL at it.
      The Dockerfiles' defaults stay the public indexes;
@@ -171,7 +171,7 @@ def find_engine(wanted: str) -> Engine:
 
 # ----------------------------------------------------------------------------------- disk
 
-# A cold build of both images at its peak: the LLM image's venv layer (~4 GB), the copy made when
+# A cold build of the images at its peak: the LLM image's venv layer (~4 GB), the copy made when
 # it is committed, the runtime stage's copy of it, the codec image. Measured: 13 GB free ran out.
 BUILD_SPACE_GIB = 20.0
 

@@ -46,7 +46,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 A server config map (camelCase field -> value) as environment variables PREFIX_FIELD: the
-servers read each field of their config dataclass from exactly that variable. Whole floats print
+servers read each field of their settings model from exactly that variable. Whole floats print
 as integers, so 1000000 never becomes 1e+06.
 Call with (dict "prefix" "SNAC_" "server" .Values.snac.server).
 */}}
