@@ -89,7 +89,10 @@ def test_entrypoint_is_a_console_script_run_as_non_root(dockerfile: Path) -> Non
     _, stages = parse(dockerfile)
     final = stages[-1]
     (entrypoint,) = [json.loads(rest) for ins, rest in final.lines if ins == "ENTRYPOINT"]
-    assert entrypoint[0] in SCRIPTS and entrypoint[0] in dockerfile.name
+    # A console script, or `python -m` of the package one names (the front's image installs no wheel)
+    command = entrypoint[0] if entrypoint[0] in SCRIPTS else next(
+        script for script, target in SCRIPTS.items() if entrypoint[:2] == ["python", "-m"] and target.split(".")[0] == entrypoint[2])
+    assert command.removeprefix("megapod-") in dockerfile.name
     users = [rest for ins, rest in final.lines if ins == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert [ins for ins, _ in final.lines].index("USER") < [ins for ins, _ in final.lines].index("ENTRYPOINT")
@@ -147,15 +150,17 @@ def test_pip_indexes_default_to_the_public_ones_and_torch_comes_from_its_own(nam
 
 
 def test_chart_images_are_the_dockerfiles() -> None:
-    """The chart's image tags name these Dockerfiles' builds: -cuda and -cpu LLM images, one SNAC image."""
+    """The chart's image tags name these Dockerfiles' builds: -cuda and -cpu LLM images, one SNAC image, the front's."""
     build_lines = {p.name: re.search(r"-t REGISTRY/(\S+)", p.read_text()).group(1) for p in DOCKERFILES}
     assert build_lines == {
         "llm-server.Dockerfile": "orpheus-megapod/llm-server:0.1.0-cuda",
         "llm-server-cpu.Dockerfile": "orpheus-megapod/llm-server:0.1.0-cpu",
         "snac-server.Dockerfile": "orpheus-megapod/snac-server:0.1.0",
+        "front.Dockerfile": "orpheus-megapod/front:0.1.0",
     }
     values = (REPO / "deploy" / "helm" / "orpheus-megapod" / "values.yaml").read_text()
     assert 'repository: orpheus-megapod/llm-server\n    tag: "0.1.0-cuda"' in values
+    assert 'repository: orpheus-megapod/front\n    tag: "0.1.0"' in values
     assert 'tag: "0.1.0-cpu"' in (REPO / "deploy" / "helm" / "orpheus-megapod" / "values-cpu.yaml").read_text()
 
 
