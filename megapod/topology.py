@@ -6,6 +6,7 @@ run and a cluster deployment describe the same MegaPod.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -83,13 +84,13 @@ class MegaPodConfig(Settings):
         return ",".join(f"{self.host}:{p}" for p in self.snac_ports())
 
     @classmethod
+    @functools.cache  # a field's annotation never changes: found once, not on every launch or render
     def sets(cls, name: str) -> Sets:
         return next((m for m in cls.model_fields[name].metadata if isinstance(m, Sets)), LOCAL)
 
     def tier_settings(self, tier: str) -> dict[str, object]:
         """The settings of tier `llm` or `snac` this MegaPod sets, by their names there."""
-        return {getattr(self.sets(name), tier): getattr(self, name) for name in type(self).model_fields
-                if getattr(self.sets(name), tier)}
+        return {field: getattr(self, name) for name in type(self).model_fields if (field := getattr(self.sets(name), tier))}
 
     @classmethod
     def chart_paths(cls) -> dict[str, list[str]]:

@@ -73,7 +73,12 @@ def test_every_field_is_a_flag_and_a_variable(cls: type[Settings], name: str):
     by_flag, by_env = cls.from_cli(flags, {}), cls.from_cli([], env)
     assert getattr(by_flag, name) == value and by_env == by_flag
     assert getattr(cls(**given), name) == value  # and in code
-    assert cls.env_name(name) == f"{cls.model_config['env_prefix']}{name.upper()}"
+
+
+def test_variables_are_spelled_as_users_have_them_in_their_manifests():
+    assert [SnacServerConfig.env_name("max_batch"), LlmServerConfig.env_name("max_streams"),
+            MegaPodConfig.env_name("snac_max_wait_ms"), FrontConfig.env_name("workers_dns")] == [
+        "SNAC_MAX_BATCH", "ORPHEUS_MAX_STREAMS", "MEGAPOD_SNAC_MAX_WAIT_MS", "MEGAPOD_FRONT_WORKERS_DNS"]
 
 
 @pytest.mark.parametrize(
@@ -122,4 +127,4 @@ def test_a_megapod_sets_real_tier_settings(tier: str, cls: type[Settings]):
     """MegaPodConfig's fields name the tier settings they are (topology.Sets); each is a field there."""
     settings = MegaPodConfig().tier_settings(tier)
     assert settings and settings.keys() <= cls.model_fields.keys()
-    assert cls(**settings)  # and a value it takes
+    cls(**settings)  # and values it takes (ValidationError otherwise)
