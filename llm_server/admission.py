@@ -1,33 +1,58 @@
-"""Admission control: a cap on concurrent streams, so the ones admitted keep real time.
+"""Admission control: a limit on concurrent streams, so the ones admitted keep real time.
 
-Past the cap a request is refused at once (HTTP 429 with Retry-After) instead of queued:
-a queued voice stream is a late one, and slowing every stream to fit one more breaks all.
-An API key name may have a cap of its own, on top of the worker's.
+The limit is measured, not configured (capacity.py): it follows the pace the engine keeps for the
+streams it holds, between a floor and a ceiling (`min_streams`, `max_streams`). Past it a request is
+refused at once (HTTP 429 with Retry-After) instead of queued: a queued voice stream is a late one,
+and slowing every stream to fit one more breaks all. An API key name may have a cap of its own, on
+top of the worker's.
 """
 
 from __future__ import annotations
 
-WORKER = "worker"
+from .capacity import CapacityLimit, PaceMeter, Window
+
+WORKER = "capacity"
 KEY = "key"
 
 
 class AdmissionController:
-    """Counts active streams against `max_streams` (and per key name); not thread-safe (one event loop)."""
+    """Counts active streams against the capacity limit (and per key name); not thread-safe (one event loop)."""
 
-    def __init__(self, max_streams: int) -> None:
-        self.max_streams = max_streams
+    def __init__(self, limit: CapacityLimit, meter: PaceMeter) -> None:
+        self.limit = limit
+        self.meter = meter
         self.active = 0
         self.active_per_key: dict[str, int] = {}
+        self._peak = 0  # the most streams admitted at once this window
+        self._refused = False  # a stream refused for the limit this window
+
+    @property
+    def max_streams(self) -> int:
+        """Streams admitted at once now."""
+        return self.limit.streams
+
+    @property
+    def free(self) -> int:
+        """Streams that would be admitted now (what the front routes by)."""
+        return max(0, self.limit.streams - self.active)
+
+    def full(self) -> bool:
+        """No stream would be admitted now; a caller that refuses one for it says so by asking."""
+        if self.free:
+            return False
+        self._refused = True  # demand met the limit: it may grow (CapacityLimit.update)
+        return True
 
     def admit(self, key: str | None = None, key_limit: int = 0) -> str | None:
         """Take a slot (and one of `key`'s, if it has a limit); None when admitted, else which
-        cap refused: KEY or WORKER."""
+        limit refused: KEY or WORKER."""
         held = self.active_per_key.get(key, 0) if key is not None else 0
         if key_limit and held >= key_limit:
             return KEY
-        if self.active >= self.max_streams:
+        if self.full():
             return WORKER
         self.active += 1
+        self._peak = max(self._peak, self.active)
         if key is not None:
             self.active_per_key[key] = held + 1
         return None
@@ -41,3 +66,10 @@ class AdmissionController:
                 self.active_per_key[key] = left
             else:
                 self.active_per_key.pop(key, None)
+
+    def end_window(self, now: float) -> Window:
+        """A control window ends: the limit moves by the pace measured in it."""
+        window = self.meter.take(now)
+        self.limit.update(window, self._peak, self._refused)
+        self._peak, self._refused = self.active, False
+        return window

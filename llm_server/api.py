@@ -7,6 +7,7 @@ with an OpenAI-shaped error body here, at the edge; the rest of the tier raises 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from contextlib import asynccontextmanager
 
@@ -15,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orpheus_common.http import error_response
+from orpheus_common.http import CAPACITY_FREE, error_response
 
 from . import cartesia, deepgram, openai_speech, request_log
 from .auth import ApiKeyMiddleware, ApiKeys
@@ -25,6 +26,28 @@ from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
 from .errors import ApiError
 from .runtime import Runtime
+
+
+class CapacityHeaderMiddleware:
+    """Pure ASGI: CAPACITY_FREE on every response and WebSocket accept, read as it is sent (after the
+    request's own admission)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state  # its runtime is set in the lifespan, before any request
+
+        async def send_with_capacity(message: Message) -> None:
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                free = str(state.runtime.admission.free).encode()
+                message["headers"] = [*message.get("headers", ()), (CAPACITY_FREE.encode(), free)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_capacity)
 
 
 class SpeechApp(FastAPI):
@@ -50,14 +73,17 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         # vLLM's own API server does the same after start-up.
         gc.collect()
         gc.freeze()
+        watching = asyncio.create_task(app.state.runtime.watch_capacity())
         try:
             yield
         finally:
+            watching.cancel()
             await app.state.runtime.stop()
 
     app = SpeechApp(title="Orpheus MegaPod", lifespan=lifespan)
     app.state.draining = False  # set on SIGTERM (server.py): /ready says 503 from then on
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(CapacityHeaderMiddleware)
     if config.api_keys_file:
         keys = ApiKeys(config.api_keys_file)
         app.add_middleware(ApiKeyMiddleware, keys=keys, on_refused=lambda: app.state.runtime.metrics.unauthorized.inc())

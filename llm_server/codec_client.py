@@ -85,10 +85,14 @@ class CodecClient:
         self._channel = self._connect()
         self._stub = codec_pb2_grpc.SnacCodecStub(self._channel)
         self._retired: set[grpc.aio.Channel] = set()  # old channels letting their streams finish
+        self.failovers = 0  # of every stream so far: the codec tier's trouble, which admission reads
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
-        return CodecStream(self.current_stub, self.config, seed, stream_id)
+        return CodecStream(self.current_stub, self.config, seed, stream_id, on_failover=self._failed_over)
+
+    def _failed_over(self) -> None:
+        self.failovers += 1
 
     def current_stub(self) -> codec_pb2_grpc.SnacCodecStub:
         """The stub every new call uses; a changed TLS file first swaps in a new channel."""
@@ -169,7 +173,8 @@ class CodecStream:
     """One TTS stream's audio: resumable across replica failures, every frame exactly once."""
 
     def __init__(
-        self, stub: Callable[[], codec_pb2_grpc.SnacCodecStub], config: CodecClientConfig, seed: int, stream_id: str
+        self, stub: Callable[[], codec_pb2_grpc.SnacCodecStub], config: CodecClientConfig, seed: int, stream_id: str,
+        on_failover: Callable[[], None] = lambda: None,
     ) -> None:
         self._stub = stub  # called per call, so a failover uses the client's newest channel
         self._config = config
@@ -188,6 +193,7 @@ class CodecStream:
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
+        self._on_failover = on_failover
 
     async def send(self, frames: np.ndarray) -> None:
         """Queue frames (n, 7) for decoding; a dead replica is noticed and replaced by chunks().
@@ -317,6 +323,7 @@ class CodecStream:
                 call.cancel()
                 await self._open()  # not if cancel() came while we waited: chunks() then ends
         self.failovers += 1
+        self._on_failover()
         return attempts + 1
 
     async def _open(self) -> None:

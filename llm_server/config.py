@@ -59,7 +59,16 @@ class LlmServerConfig(Settings):
     codec_tls_key: str = ""
     codec_tls_server_name: str = ""  # the name replicas' certificates carry, if not the address
     # Admission and input limits
-    max_streams: int = Field(16, ge=1)
+    # The streams admitted at once follow the pace the engine keeps (capacity.py): from initial_streams (few:
+    # the limit then rises to what the engine keeps in real time, growing by at most its square root a window),
+    # between min_streams (never above the ceiling) and max_streams (default: the engine's max_num_seqs, a
+    # ceiling only). The limit moves each capacity_window_s towards the streams that decode at target_pace x
+    # real time. min_streams = max_streams: a fixed limit.
+    max_streams: int | None = Field(None, ge=1)
+    min_streams: int = Field(1, ge=1)
+    initial_streams: int = Field(4, ge=1)
+    target_pace: float = Field(1.05, gt=0)  # under 1 only for a slow-motion demo (a CPU: benchmarks/README.md)
+    capacity_window_s: float = Field(1.0, gt=0)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536
@@ -80,7 +89,7 @@ class LlmServerConfig(Settings):
     # Engine
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"
-    max_num_seqs: int = 64
+    max_num_seqs: int = Field(64, ge=1)
     max_model_len: int = 2048
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gb: float = 2.0
@@ -106,6 +115,16 @@ class LlmServerConfig(Settings):
         if (self.codec_tls_cert or self.codec_tls_server_name) and not self.codec_tls_ca:
             raise ValueError("codec_tls_cert and codec_tls_server_name need codec_tls_ca (TLS to the codec tier)")
         return self
+
+    @property
+    def stream_ceiling(self) -> int:
+        """The most streams ever admitted at once: max_streams, else all the engine batches."""
+        return self.max_streams or self.max_num_seqs
+
+    @property
+    def stream_floor(self) -> int:
+        """The fewest streams the limit admits, however slow the engine: min_streams, up to the ceiling."""
+        return min(self.min_streams, self.stream_ceiling)
 
     @property
     def voice_map(self) -> dict[str, str]:

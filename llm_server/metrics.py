@@ -44,6 +44,12 @@ class LlmMetrics:
         # By key name (never the key), when API keys are on: outcomes as above, plus refused_key.
         self.key_requests = Counter("orpheus_key_requests", "Speech requests by API key name and outcome",
                                     ["key", "outcome"], registry=r)
+        # cause: capacity (the worker's measured limit), key (an API key's own cap)
+        self.refusals = Counter("megapod_worker_refusals", "Streams refused at admission, by cause", ["cause"], registry=r)
+        self.capacity = Gauge("megapod_worker_capacity_streams", "Streams this worker admits at once now (the "
+                              "measured limit, llm_server/capacity.py)", registry=r)
+        self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
+                          "(1: exactly real time; NaN: too little decoding to say)", registry=r)
         self.unauthorized = Counter("orpheus_unauthorized_requests", "Requests refused for a missing or unknown API key",
                                     registry=r)
         self.engine_queue = Gauge("orpheus_engine_unfinished_requests", "Requests held by the engine", registry=r)
@@ -51,6 +57,11 @@ class LlmMetrics:
         self.engine_info = Gauge("orpheus_engine_info", "What runs the model, as the engine reports it (value 1)",
                                  ["engine", "runner", "attention_backend", "trtllm_decode"], registry=r)
         r.register(VllmMetrics())
+
+    def refused(self, cause: str) -> None:
+        """A stream refused at admission: its outcome and its cause."""
+        self.requests.labels("refused").inc()
+        self.refusals.labels(cause).inc()
 
     def describe_engine(self, description: dict[str, object]) -> None:
         """Publish the engine's own description as the labels of orpheus_engine_info."""

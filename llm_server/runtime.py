@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import time
 from dataclasses import dataclass
 
 from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
+from .capacity import CapacityLimit, PaceMeter
 from .codec_client import CodecClient, CodecClientConfig
 from .config import LlmServerConfig
 from .engine import Engine
@@ -63,15 +67,40 @@ class Runtime:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         engine = build_engine(config, model_dir)
         await engine.start()
-        codec = CodecClient(codec_client_config(config))
+        runtime = cls.assemble(config, engine, CodecClient(codec_client_config(config)), tokenizer)
+        log.info(
+            "worker ready: model %s (%s backend), codec at %s%s; admitting %d streams at first (%d to %d, by the "
+            "pace the engine keeps)", config.model, config.backend, config.snac, " over TLS" if config.codec_tls_ca else "",
+            runtime.admission.max_streams, config.stream_floor, config.stream_ceiling,
+        )
+        return runtime
+
+    @classmethod
+    def assemble(cls, config: LlmServerConfig, engine: Engine, codec: CodecClient, tokenizer: Tokenizer) -> Runtime:
+        """A worker's runtime around a started engine and a codec client: metrics, pipeline, admission."""
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
-        pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics)
-        log.info(
-            "worker ready: model %s (%s backend), codec at %s%s",
-            config.model, config.backend, config.snac, " over TLS" if config.codec_tls_ca else "",
-        )
-        return cls(config, engine, codec, tokenizer, pipeline, AdmissionController(config.max_streams), metrics)
+        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.target_pace)
+        admission = AdmissionController(limit, PaceMeter(time.monotonic()))
+        metrics.capacity.set_function(lambda: admission.max_streams)
+        metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
+        pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
+        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics)
+
+    async def watch_capacity(self) -> None:
+        """Move the admission limit every capacity_window_s, by the pace measured and the codec's failovers."""
+        failovers = self.codec.failovers
+        while True:
+            await asyncio.sleep(self.config.capacity_window_s)
+            if self.codec.failovers > failovers:
+                failovers = self.codec.failovers
+                self.admission.limit.codec_trouble()
+            before = self.admission.max_streams
+            window = self.admission.end_window(time.monotonic())
+            if self.admission.max_streams != before:
+                log.debug("admission limit %d -> %d streams (pace %s over %.1f decoding streams)", before,
+                         self.admission.max_streams, "n/a" if window.pace is None else f"{window.pace:.2f}",
+                         window.mean_decoding)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

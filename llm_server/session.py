@@ -111,11 +111,11 @@ class SpeechSession:
         """Admit a new stream (a worker-wide slot and one of the key's), or raise Refused at once."""
         refused = runtime.admission.admit(key.name if key else None, key.max_streams if key else 0)
         if refused is not None:
-            runtime.metrics.requests.labels("refused").inc()
+            runtime.metrics.refused(refused)
             by_key = refused == KEY
             if key is not None:
                 runtime.metrics.key_requests.labels(key.name, "refused_key" if by_key else "refused").inc()
-            who, cap = (f"API key {key.name!r}", key.max_streams) if by_key else ("server", runtime.config.max_streams)
+            who, cap = (f"API key {key.name!r}", key.max_streams) if by_key else ("server", runtime.admission.max_streams)
             raise Refused(f"{who} is at its limit of {cap} concurrent streams; retry shortly", by_key)
         return cls(runtime, spec, key, request_id)
 

@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from .audio_tokens import FrameAssembler
+from .capacity import PaceMeter
 from .codec_client import AudioChunk, CodecClient, CodecError, CodecStream
 from .config import LlmServerConfig
 from .engine import Engine, Sampling
@@ -134,14 +135,14 @@ class SpeechStream:
 class SpeechPipeline:
     """Turns segments into 24 kHz s16le PCM, chunk by chunk, as soon as it is decoded."""
 
-    def __init__(
-        self, engine: Engine, codec: CodecClient, tokenizer: Tokenizer, config: LlmServerConfig, metrics: LlmMetrics
-    ) -> None:
+    def __init__(self, engine: Engine, codec: CodecClient, tokenizer: Tokenizer, config: LlmServerConfig,
+                 metrics: LlmMetrics, pace: PaceMeter) -> None:
         self.engine = engine
         self.codec = codec
         self._tokenizer = tokenizer
         self._config = config
         self._metrics = metrics
+        self._pace = pace  # admission's: how fast the engine really generates for the streams it holds
 
     def start(self, job: SpeechJob) -> SpeechStream:
         """Begin a stream; add() its segments, iterate audio() for PCM."""
@@ -161,8 +162,9 @@ class SpeechPipeline:
         keep: int | None = None
         # Closed here even when cancelled mid-send (or ended for a loop): the engine aborts the request
         # at once, not whenever the garbage collector finalizes a dropped generator.
-        async with aclosing(generation):
+        async with aclosing(generation), self._pace.decoding() as decoded:
             async for tokens in generation:
+                decoded(len(tokens))
                 generated += len(tokens)
                 out.generated_tokens += len(tokens)
                 self._metrics.tokens.inc(len(tokens))

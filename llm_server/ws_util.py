@@ -13,6 +13,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from orpheus_common.http import TRY_AGAIN_LATER
 
+from .admission import WORKER
 from .config import LlmServerConfig
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,11 @@ class SocketWriter:
 
 async def refuse_when_full(ws: WebSocket, runtime) -> bool:
     """A new socket when every stream slot is taken: accepted and closed at once with 1013."""
-    if runtime.admission.active < runtime.config.max_streams:
+    if not runtime.admission.full():
         return False
     await ws.accept()
-    await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.config.max_streams} concurrent streams")
-    runtime.metrics.requests.labels("refused").inc()
+    await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.admission.max_streams} concurrent streams")
+    runtime.metrics.refused(WORKER)
     return True
 
 

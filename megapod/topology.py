@@ -58,7 +58,10 @@ class MegaPodConfig(Settings):
     attention_backend: Annotated[str, Sets(llm="attention_backend")] = "auto"  # vLLM's attention backend on GPUs (llm_server/attention.py)
     trtllm_attention: Annotated[Literal["auto", "on", "off"], Sets(llm="trtllm_attention")] = "auto"  # FlashInfer's TRT-LLM kernels
     # Limits and policies
-    max_streams_per_worker: Annotated[int, Sets(llm="max_streams")] = Field(16, ge=1)
+    # Each worker admits the streams its engine keeps in real time (llm_server/capacity.py), measured; these
+    # bound it: a ceiling (unset: the engine's max_num_seqs) and a floor (unset: 1; both the same: a fixed limit).
+    max_streams_per_worker: Annotated[int | None, Sets(llm="max_streams")] = Field(None, ge=1)
+    min_streams_per_worker: Annotated[int | None, Sets(llm="min_streams")] = Field(None, ge=1)
     snac_max_batch: Annotated[int, Sets(snac="max_batch")] = Field(32, ge=1)
     snac_max_wait_ms: Annotated[float, Sets(snac="max_wait_ms")] = Field(5.0, ge=0)
     codec_policy: Annotated[Policy, Sets(llm="codec_policy", snac="policy")] = "streaming"  # reference: for comparison
@@ -89,8 +92,10 @@ class MegaPodConfig(Settings):
         return next((m for m in cls.model_fields[name].metadata if isinstance(m, Sets)), LOCAL)
 
     def tier_settings(self, tier: str) -> dict[str, object]:
-        """The settings of tier `llm` or `snac` this MegaPod sets, by their names there."""
-        return {field: getattr(self, name) for name in type(self).model_fields if (field := getattr(self.sets(name), tier))}
+        """The settings of tier `llm` or `snac` this MegaPod sets, by their names there (a field left None
+        sets nothing: the tier's own default holds)."""
+        return {field: value for name in type(self).model_fields
+                if (field := getattr(self.sets(name), tier)) and (value := getattr(self, name)) is not None}
 
     @classmethod
     def chart_paths(cls) -> dict[str, list[str]]:
@@ -105,7 +110,8 @@ class MegaPodConfig(Settings):
 
     def helm_values(self) -> dict[str, object]:
         """This MegaPod as chart values (dotted path -> value)."""
-        return {path: getattr(self, name) for name, paths in self.chart_paths().items() for path in paths}
+        return {path: getattr(self, name) for name, paths in self.chart_paths().items() for path in paths
+                if getattr(self, name) is not None}  # None: the tier's own default
 
     def replica_flags(self, j: int) -> list[str]:
         """snac-server flags of replica j."""

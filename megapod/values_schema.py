@@ -109,6 +109,7 @@ RULES = {
     "monitoring.rules.*S": POSITIVE,  # latency thresholds in seconds
     "monitoring.rules.refusedRatio": {**POSITIVE, "maximum": 1},
     "monitoring.rules.kvCacheUsage": {**POSITIVE, "maximum": 1},
+    "monitoring.rules.minPace": POSITIVE,
     "monitoring.rules.engineWaitingRequests": AT_LEAST_0,
     "monitoring.dashboard.sidecarLabel": {"minLength": 1},
 }
@@ -120,6 +121,8 @@ KEPT = ("type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "excl
 def field_schema(cls: type[Settings], name: str) -> dict:
     """The types, bounds and enums pydantic gives a settings field: the server's own checks of one value."""
     prop = cls.model_json_schema()["properties"][name]
+    # An optional field (None: the server's own default) is left out of the values, never null: its value's branch.
+    prop = next((branch for branch in prop.get("anyOf", ()) if branch.get("type") != "null"), prop)
     return {key: prop[key] for key in KEPT if key in prop}
 
 

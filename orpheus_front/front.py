@@ -1,5 +1,7 @@
-"""The MegaPod's single endpoint: each speech request or socket goes to the worker with the fewest
-active streams; a worker at its cap (429) passes an HTTP request to the next one.
+"""The MegaPod's single endpoint: each speech request or socket goes to the worker with the most free
+capacity (each worker's replies say how many more streams it would admit: its measured limit less its
+active streams), then the fewest active streams; a worker at its limit (429) passes an HTTP request to
+the next one.
 
 Every front door is relayed: OpenAI's POST /v1/audio/speech, the Cartesia- and Deepgram-compatible
 WebSockets (/tts/websocket, /v1/speak) both ways, message by message, and their HTTP twins (POST
@@ -17,6 +19,7 @@ import gc
 import ipaddress
 import itertools
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -31,7 +34,7 @@ from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from orpheus_common.http import TRY_AGAIN_LATER, error_response
+from orpheus_common.http import CAPACITY_FREE, TRY_AGAIN_LATER, error_response
 from orpheus_common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -82,22 +85,39 @@ class FrontConfig(Settings):
 
 
 class WorkerPool:
-    """Active stream counts per worker; picks least active, rotating among ties. The worker set may
-    change (update): a worker that leaves gets no new streams, and its streams in flight finish."""
+    """Active stream counts per worker and the free capacity each last reported; picks the most free,
+    then the least active, rotating among ties. The worker set may change (update): a worker that
+    leaves gets no new streams, and its streams in flight finish."""
 
     def __init__(self, urls: Sequence[str], on_forget: Callable[[str], None] = lambda url: None) -> None:
         self.urls = list(urls)
         self.active = {u: 0 for u in self.urls}
+        self._reported: dict[str, tuple[int, int]] = {}  # url -> (free it reported, our active streams on it then)
         self._turn = itertools.count()
         self._on_forget = on_forget  # a worker left and holds no stream any more
 
     def order(self) -> list[str]:
-        """Workers to try, least active first (ties rotate so load spreads when all are idle)."""
+        """Workers to try: most free capacity first (a worker not heard from yet first of all: it is
+        tried), then least active (ties rotate so load spreads when all are idle)."""
         if not self.urls:
             return []
         start = next(self._turn) % len(self.urls)
         rotated = self.urls[start:] + self.urls[:start]
-        return sorted(rotated, key=lambda u: self.active[u])
+        return sorted(rotated, key=lambda u: (-self.free(u), self.active[u]))
+
+    def report(self, url: str, free: str | None) -> None:
+        """`url` said it would admit `free` more streams (its CAPACITY_FREE header) while we held
+        active[url] streams on it; ignored when absent or not a count."""
+        if free is not None and free.isdigit() and url in self.active:
+            self._reported[url] = (int(free), self.active[url])
+
+    def free(self, url: str) -> float:
+        """Streams `url` would admit now, as far as we know: what it last reported, less the streams we
+        sent it since (plus those that ended since). Unknown: infinite."""
+        if url not in self._reported:
+            return math.inf
+        free, active_then = self._reported[url]
+        return free - (self.active[url] - active_then)
 
     def update(self, urls: Sequence[str]) -> None:
         """The current workers: new ones join at 0 streams; one that left is forgotten once idle."""
@@ -123,6 +143,7 @@ class WorkerPool:
     def _forget_if_gone(self, url: str) -> None:
         if url not in self.urls and self.active[url] == 0:
             del self.active[url]
+            self._reported.pop(url, None)
             self._on_forget(url)
 
 
@@ -241,8 +262,10 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             if upstream.status_code == 429:
                 at_limit = True
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
+                pool.report(url, upstream.headers.get(CAPACITY_FREE))  # after: the refused stream is not held
                 await upstream.aclose()
                 continue
+            pool.report(url, upstream.headers.get(CAPACITY_FREE))  # this stream held, as at the worker
             return _relay(upstream, url, pool, active)
         if not at_limit:
             return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
@@ -384,6 +407,7 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
         except BaseException:
             pool.release(url)
             raise
+        pool.report(url, upstream.response.headers.get(CAPACITY_FREE))
         break
     else:
         await ws.accept()

@@ -79,14 +79,15 @@ def megapod(tmp_path_factory):
 def worker_stack(tmp_path_factory):
     """One LLM worker (real vLLM on the CPU, the tiny model) over two codec replicas, as processes on
     loopback: started once for every test that drives a worker directly (test_http_fuzz, test_llm_server,
-    test_overload, test_worker_drain). It admits WORKER_MAX_STREAMS streams, has a 1024-token context and
+    test_overload, test_worker_drain). It admits WORKER_MAX_STREAMS streams (a fixed limit), has a 1024-token context and
     drains for up to 120 s on SIGTERM, the union of what those tests need; test_worker_drain ends it, so it
     runs last."""
     from processes import WORKER_MAX_STREAMS, llm_process, snac_process
 
     logs = tmp_path_factory.mktemp("worker-logs")
     replicas = [snac_process().start(logs) for _ in range(2)]
-    worker = llm_process([r.port for r in replicas], "--max-streams", str(WORKER_MAX_STREAMS), "--grace-s", "120").start(logs)
+    worker = llm_process([r.port for r in replicas], "--max-streams", str(WORKER_MAX_STREAMS),
+                         "--min-streams", str(WORKER_MAX_STREAMS), "--grace-s", "120").start(logs)
     stack = {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}", "logs": logs}
     try:
         for r in replicas:

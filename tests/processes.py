@@ -89,7 +89,8 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
 
     flags = ["--workers", str(workers), "--replicas", str(replicas), "--enforce-eager", "true",
              "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC]
-    flags += ["--max-streams-per-worker", str(max_streams)] if max_streams else []
+    # A fixed limit when given (floor = ceiling): the tests count on it; else measured, as deployed.
+    flags += ["--max-streams-per-worker", str(max_streams), "--min-streams-per-worker", str(max_streams)] if max_streams else []
     stack = LocalStack("up", flags, log_dir)
     stack.plan(set())
     try:

@@ -17,15 +17,12 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from llm_server.admission import AdmissionController
 from llm_server.api import create_app
 from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
 from llm_server.codec_client import CodecClient
 from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
-from llm_server.metrics import LlmMetrics
 from llm_server.runtime import Runtime, codec_client_config
-from llm_server.speech import SpeechPipeline
 
 FRAME_BYTES = 2048 * 2  # s16 samples per frame
 BYTES_PER_SECOND = 24000 * 2
@@ -110,14 +107,12 @@ class Served:
 async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, **overrides):
     """The real app over a real Runtime (engine double) under uvicorn, in this event loop; its codec
     client goes to `snac_server` unless `snac=` says otherwise."""
+    # A fixed limit (min_streams = max_streams) unless a test asks otherwise: the engine double's pace is no GPU's.
+    overrides.setdefault("max_streams", 64)
+    overrides.setdefault("min_streams", overrides["max_streams"])
     config = LlmServerConfig(host="127.0.0.1", port=0, **{"snac": snac_server.address, **overrides})
     engine = engine or ScriptedEngineDouble()
-    codec = CodecClient(codec_client_config(config))
-    metrics = LlmMetrics(engine.num_unfinished)
-    tokenizer = CharTokenizerDouble()
-    runtime = Runtime(config=config, engine=engine, codec=codec, tokenizer=tokenizer,
-                      pipeline=SpeechPipeline(engine, codec, tokenizer, config, metrics),
-                      admission=AdmissionController(config.max_streams), metrics=metrics)
+    runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble())
     app = create_app(config, runtime)
     sock = socket.socket()
     if sndbuf:  # inherited by accepted connections: a small send buffer, no autotuning
@@ -133,6 +128,23 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
     port = sock.getsockname()[1]
     try:
         yield Served(f"http://127.0.0.1:{port}", port, runtime, engine, app)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@asynccontextmanager
+async def serve_app(app):
+    """Any ASGI app served by uvicorn on a free loopback port, in this event loop: yields the port."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    try:
+        yield sock.getsockname()[1]
     finally:
         server.should_exit = True
         await task

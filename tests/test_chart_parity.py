@@ -30,6 +30,7 @@ import yaml
 from fastapi import FastAPI, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from processes import snac_process
+from served import serve_app
 from test_deploy_chart import (
     CODEC_SERVICE,
     NAMESPACE,
@@ -56,10 +57,10 @@ from test_deploy_chart import (
 from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import channel
 from megapod.cluster import CPU, H100
-from orpheus_front.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app, resolve_all
 from megapod.launcher import Child, free_ports
 from megapod.render import CHART, REPO, HelmRender, parse_manifests
 from megapod.topology import MegaPodConfig
+from orpheus_front.front import DnsWorkers, FrontConfig, WorkerPool, create_front_app, resolve_all
 from snac_server.config import SnacServerConfig
 from snac_server.server import build_server
 
@@ -307,17 +308,6 @@ async def test_dns_workers_follow_the_answer_and_let_leaving_workers_finish() ->
     assert pool.order() == []
 
 
-async def _serve(app) -> tuple[uvicorn.Server, asyncio.Task, int]:
-    """An app served by uvicorn on a free loopback port, started."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done()
-        await asyncio.sleep(0.02)
-    return server, task, sock.getsockname()[1]
-
-
 async def test_a_worker_leaving_the_answer_while_a_request_waits_on_it_still_serves_it() -> None:
     """The kubelet's order: a terminating worker leaves the DNS answer while it still serves (preStop).
     A request already sent to it, its reply not yet begun, must still get its reply through the front,
@@ -332,12 +322,10 @@ async def test_a_worker_leaving_the_answer_while_a_request_waits_on_it_still_ser
         await reply.wait()
         return Response(b"\x01\x00" * 2048, media_type="audio/pcm")
 
-    worker_server, worker_task, port = await _serve(worker)
     dns = ResolverDouble("127.0.0.1")
-    front = create_front_app(workers_dns=f"worker.test:{port}", refresh_s=0.05, resolve=dns)
-    front_server, front_task, front_port = await _serve(front)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front_port}", timeout=60) as http:
+    async with serve_app(worker) as port:
+        front = create_front_app(workers_dns=f"worker.test:{port}", refresh_s=0.05, resolve=dns)
+        async with serve_app(front) as front_port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{front_port}", timeout=60) as http:
             sent = asyncio.create_task(http.post("/v1/audio/speech", json={"input": "Hi.", "voice": "tara"}))
             await asyncio.wait_for(received.wait(), 30)
             dns.answer = []  # out of the answer while its reply is pending
@@ -352,10 +340,6 @@ async def test_a_worker_leaving_the_answer_while_a_request_waits_on_it_still_ser
             metrics = (await http.get("/metrics")).text
             assert f"127.0.0.1:{port}" not in metrics  # its series went with it
             assert 'megapod_front_replies_total{status="200"} 1.0' in metrics
-    finally:
-        for server in (front_server, worker_server):
-            server.should_exit = True
-        await asyncio.gather(front_task, worker_task)
 
 
 async def test_a_client_gone_before_the_reply_began_gives_the_workers_slot_back() -> None:
@@ -371,26 +355,21 @@ async def test_a_client_gone_before_the_reply_began_gives_the_workers_slot_back(
         await reply.wait()
         return Response(b"\x01\x00" * 2048, media_type="audio/pcm")
 
-    worker_server, worker_task, port = await _serve(worker)
-    front = create_front_app([f"http://127.0.0.1:{port}"])
-    front_server, front_task, front_port = await _serve(front)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front_port}", timeout=60) as http:
-            sent = asyncio.create_task(http.post("/v1/audio/speech", json={"input": "Hi.", "voice": "tara"}))
-            await asyncio.wait_for(received.wait(), 30)
-            sent.cancel()  # the client goes before any reply
-            with contextlib.suppress(asyncio.CancelledError):
-                await sent
-        reply.set()
-        for _ in range(300):  # the slot given back (a leak stays at 1 for good); 15 s: a hang guard
-            if front.state.pool.active == {f"http://127.0.0.1:{port}": 0}:
-                break
-            await asyncio.sleep(0.05)
-        assert front.state.pool.active == {f"http://127.0.0.1:{port}": 0}
-    finally:
-        for server in (front_server, worker_server):
-            server.should_exit = True
-        await asyncio.gather(front_task, worker_task)
+    async with serve_app(worker) as port:
+        front = create_front_app([f"http://127.0.0.1:{port}"])
+        async with serve_app(front) as front_port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front_port}", timeout=60) as http:
+                sent = asyncio.create_task(http.post("/v1/audio/speech", json={"input": "Hi.", "voice": "tara"}))
+                await asyncio.wait_for(received.wait(), 30)
+                sent.cancel()  # the client goes before any reply
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sent
+            reply.set()
+            for _ in range(300):  # the slot given back (a leak stays at 1 for good); 15 s: a hang guard
+                if front.state.pool.active == {f"http://127.0.0.1:{port}": 0}:
+                    break
+                await asyncio.sleep(0.05)
+            assert front.state.pool.active == {f"http://127.0.0.1:{port}": 0}
 
 
 async def test_the_real_resolver_returns_every_address() -> None:
@@ -410,23 +389,17 @@ MAX_IN_FLIGHT = 4  # streams the rolling update's load keeps open at once
 def _run_worker(host: str, port: int, snac_address: str, grace_s: float) -> None:
     from served import CharTokenizerDouble, ScriptedEngineDouble
 
-    from llm_server.admission import AdmissionController
     from llm_server.api import create_app
     from llm_server.codec_client import CodecClient
     from llm_server.config import LlmServerConfig
-    from llm_server.metrics import LlmMetrics
     from llm_server.runtime import Runtime, codec_client_config
     from orpheus_common.draining import DrainingServer
-    from llm_server.speech import SpeechPipeline
 
     async def serve() -> None:
-        config = LlmServerConfig(host=host, port=port, snac=snac_address, grace_s=grace_s, max_streams=64)
+        config = LlmServerConfig(host=host, port=port, snac=snac_address, grace_s=grace_s, max_streams=64, min_streams=64)
         # Streams of 1.6 s or more (longer than the test's endpoint delay): some are in flight at SIGTERM.
         engine = ScriptedEngineDouble(frames=WORKER_FRAMES, frames_per_batch=1, batch_delay_s=0.1)
-        codec, metrics, tokenizer = CodecClient(codec_client_config(config)), LlmMetrics(engine.num_unfinished), CharTokenizerDouble()
-        runtime = Runtime(config=config, engine=engine, codec=codec, tokenizer=tokenizer,
-                          pipeline=SpeechPipeline(engine, codec, tokenizer, config, metrics),
-                          admission=AdmissionController(config.max_streams), metrics=metrics)
+        runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble())
         server = DrainingServer(uvicorn.Config(create_app(config, runtime), host=host, port=port, log_config=None,
                                                timeout_graceful_shutdown=int(config.grace_s)))
         await server.serve()

@@ -34,7 +34,9 @@ def test_only_the_command_line_reads_the_environment(monkeypatch):
 # Values a field's type alone does not give (a rule ties it to another field), and the fields each
 # value needs beside it.
 SAMPLES = {"voices": (*LlmServerConfig.default("voices"), "extra"), "voice_aliases": "alloy=leo",
-           "repetition_penalty": 1.3, "workers_dns": "llm.ns.svc:8000", "workers": "http://10.0.0.5:8000"}
+           "repetition_penalty": 1.3, "workers_dns": "llm.ns.svc:8000", "workers": "http://10.0.0.5:8000",
+           "max_streams": 8, "max_streams_per_worker": 8, "min_streams_per_worker": 2,  # defaults None: the tier's
+           "target_pace": 1.2}
 COMPANIONS = {"tls_cert": {"tls_key": "k"}, "tls_key": {"tls_cert": "c"}, "tls_client_ca": {"tls_cert": "c", "tls_key": "k"},
               "codec_tls_cert": {"codec_tls_key": "k", "codec_tls_ca": "ca"},
               "codec_tls_key": {"codec_tls_cert": "c", "codec_tls_ca": "ca"}, "codec_tls_server_name": {"codec_tls_ca": "ca"}}
@@ -44,7 +46,7 @@ BASE = {FrontConfig: {"workers_dns": "llm.ns.svc:8000"}}
 def _other_value(cls: type[Settings], name: str) -> object:
     """A valid value of the field that is not its default."""
     default, kind = cls.default(name), cls.model_fields[name].annotation
-    if name in SAMPLES and isinstance(SAMPLES[name], type(default)):
+    if name in SAMPLES and (default is None or isinstance(SAMPLES[name], type(default))):
         return SAMPLES[name]
     if typing.get_origin(kind) is typing.Literal:
         return next(v for v in typing.get_args(kind) if v != default)

@@ -211,7 +211,7 @@ def test_alert_rules_are_well_formed_and_select_only_this_release() -> None:
     assert names == {
         "MegapodTimeToFirstAudioHigh", "MegapodRequestsRefused", "MegapodEngineQueueGrowing", "MegapodKvCacheFull",
         "MegapodCodecStepSlow", "MegapodCodecStepOverFrame", "MegapodTargetDown", "MegapodReplicasMissing",
-        "MegapodTierDown",
+        "MegapodTierDown", "MegapodStreamsBehindRealTime",
     }
     for r in rules:
         assert re.fullmatch(r"([0-9]+[smhdwy])+", r["for"]), r
@@ -292,6 +292,8 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         # engine queue growing one a minute, KV cache 97% full
         _series("vllm:num_requests_waiting", {**llm, "engine": "0"}, "0+1x30"),
         _series("vllm:kv_cache_usage_perc", {**llm, "engine": "0"}, "0.97x30"),
+        # w-0's engine at 0.9 x real time for its streams
+        _series("megapod_worker_pace_ratio", llm, "0.9x30"),
         # one worker up, one down from the start; one of two fronts up; the codec tier never scraped at all
         _series("up", {**llm, "pod": "w-0"}, "1x30"),
         _series("up", {**llm, "pod": "w-1"}, "0x30"),
@@ -305,6 +307,7 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         "MegapodCodecStepOverFrame": [],  # under a whole frame: no critical
         "MegapodEngineQueueGrowing": [{"pod": "w-0"}],
         "MegapodKvCacheFull": [{"pod": "w-0"}],
+        "MegapodStreamsBehindRealTime": [{"pod": "w-0"}],
         "MegapodTargetDown": [{**llm, "pod": "w-1"}],
         "MegapodReplicasMissing": [{"tier": "llm"}, {"tier": "snac"}, {"tier": "front"}],  # 1 of 7, 0 of 3, 1 of 2
         "MegapodTierDown": [{"tier": "snac"}],
@@ -340,6 +343,7 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         *buckets("snac_decode_step_seconds", snac, {"0.02": 600, "+Inf": 600}),
         _series("vllm:num_requests_waiting", {**llm, "engine": "0"}, "0x30"),
         _series("vllm:kv_cache_usage_perc", {**llm, "engine": "0"}, "0.3x30"),
+        _series("megapod_worker_pace_ratio", llm, "1.06x30"),
         *[_series("up", {**llm, "pod": f"w-{i}"}, "1x30") for i in range(H100.megapod.workers)],
         *[_series("up", {**snac, "pod": f"s-{i}"}, "1x30") for i in range(H100.megapod.replicas)],
         *[_series("up", {**front, "pod": f"f-{i}"}, "1x30") for i in range(2)],

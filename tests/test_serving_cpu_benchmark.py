@@ -46,3 +46,19 @@ def test_the_codec_alone_writes_its_figures(tmp_path):
     assert 0.0 <= level["replica_chunks_within_a_frame"] <= 1.0
     assert level["codec_loop_lag_ms"]["max"] is not None, "the replica's own loop watcher reported"
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_capacity_run_writes_its_figures(tmp_path):
+    """--capacity: the worker's admission unconfigured under 1.5 x what the engine double's curve keeps in
+    real time (2 + 1 ms a stream: 10 streams). Its figures are counted, not judged (benchmarks/README.md
+    has the judged runs); more clients than the first limit (4) asked, so some were refused."""
+    out = tmp_path / "capacity.json"
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--capacity", "--step-curve", "2,1.0", "--seconds", "8",
+                           "--frames", "24", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["capacity_known"] == 10 and result["offered_clients"] == 15
+    assert 1 <= result["admitted_settled"] <= 512 and 0.0 <= result["realtime_share"] <= 1.0
+    assert result["streams_admitted"] > 0 and result["refusals"] > 0 and result["refusal_p95_ms"] > 0
+    assert {"t", "limit", "active", "pace"} <= set(result["timeline"][0]) and len(result["timeline"]) > 4
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -4,6 +4,7 @@ processor paths (the slot sampler and the plain mask)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import pytest_asyncio
@@ -140,6 +141,7 @@ class RecordingEngine:
 async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, snac_server):
     from transformers import AutoTokenizer
 
+    from llm_server.capacity import PaceMeter
     from llm_server.codec_client import AudioChunk, CodecClient, CodecClientConfig
     from llm_server.metrics import LlmMetrics
     from llm_server.prompt import split_sentences
@@ -149,7 +151,8 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     config = LlmServerConfig(cache_dir=TINY_CACHE, max_segment_chars=24, max_model_len=1024)
     recorder = RecordingEngine(engine)
     codec = CodecClient(CodecClientConfig(addresses=snac_server.address))
-    pipeline = SpeechPipeline(recorder, codec, tokenizer, config, LlmMetrics(engine.num_unfinished))
+    meter = PaceMeter(time.monotonic())
+    pipeline = SpeechPipeline(recorder, codec, tokenizer, config, LlmMetrics(engine.num_unfinished), meter)
     text = "First one here. Then the second. And a third at last."
     stream = pipeline.start(SpeechJob("long-1", "tara", seed=3))
     for segment in split_sentences(text, config.max_segment_chars):
@@ -172,3 +175,8 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     assert spoken == ["tara: First one here.", "tara: Then the second.", "tara: And a third at last."]
     assert len(pcm) > 0 and len(pcm) % (2048 * 2) == 0
     assert len(pcm) // (2048 * 2) * 7 <= stream.generated_tokens, "every frame of every segment is audio"
+    # admission's meter saw vLLM's deliveries: every token but each request's first delivery, three
+    # requests decoding one after another, none left decoding
+    window = meter.take(time.monotonic())
+    assert 0 < window.tokens < stream.generated_tokens and window.stream_s > 0 and meter.decoding_now == 0
+    assert window.peak_decoding == 1

@@ -1,0 +1,152 @@
+"""How many streams this worker keeps in real time, measured: the admission limit follows the engine's pace.
+
+A stream is real time while its engine request gets REALTIME_TOKENS_PER_S tokens a second (7 tokens a
+frame, 24000/2048 frames a second: a decode step every 12.2 ms). PaceMeter integrates, over a window,
+the tokens handed to the streams that were decoding and the stream-seconds they spent decoding (from a
+request's first token to its last: prefill is not decoding, but a new stream's prefill slows the steps
+of the others, and that shows); tokens over stream-seconds, over the real-time rate, is the pace (2.0:
+twice real time).
+
+CapacityLimit is a gradient limiter in the style of Netflix's concurrency-limits (Gradient2Limit): each
+window it moves the limit by the ratio of the measured pace to the target pace,
+
+    limit <- streams decoding x pace / target
+
+growing by at most sqrt(limit) a window and only while the limit is in use (a stream was refused, or
+the admitted streams reached it), shrinking to at most half. Where a step's time is a fixed part plus a
+part per stream (a GPU's: the weights are read once a step, each stream's KV cache once), that estimate
+lies between the current batch and the batch that runs at the target pace: the limit approaches it
+from either side without overshooting (tests/test_capacity.py holds this on such curves). The codec
+tier's headroom counts too: a codec stream failing over (a replica refusing, stalling or gone) shrinks
+the limit by CODEC_BACKOFF, at most once a window. The limit stays within [floor, ceiling].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, SAMPLE_RATE
+
+REALTIME_TOKENS_PER_S = CODES_PER_FRAME * SAMPLE_RATE / FRAME_SAMPLES  # 82.03: one stream at real time
+CODEC_BACKOFF = 0.9
+MIN_STREAM_S = 0.5  # a window with less decoding than this says too little about the pace: no change
+
+
+@dataclass(frozen=True)
+class Window:
+    """What PaceMeter saw over one window."""
+
+    elapsed_s: float
+    stream_s: float  # stream-seconds of decoding
+    tokens: int  # tokens handed to decoding streams
+    peak_decoding: int
+
+    @property
+    def pace(self) -> float | None:
+        """Tokens per decoding stream-second over real time; None without enough decoding to say."""
+        if self.stream_s < MIN_STREAM_S:
+            return None
+        return self.tokens / self.stream_s / REALTIME_TOKENS_PER_S
+
+    @property
+    def mean_decoding(self) -> float:
+        return self.stream_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class PaceMeter:
+    """Streams decoding and the tokens they got, integrated over time; take() ends a window."""
+
+    def __init__(self, now: float) -> None:
+        self.decoding_now = 0
+        self._since = self._window_start = now
+        self._stream_s = 0.0
+        self._tokens = 0
+        self._peak = 0
+
+    def started(self, now: float) -> None:
+        """A request's first token arrived: it decodes from now (its first tokens are its prefill's)."""
+        self._advance(now)
+        self.decoding_now += 1
+        self._peak = max(self._peak, self.decoding_now)
+
+    def tokens(self, n: int) -> None:
+        """A decoding request got n more tokens."""
+        self._tokens += n
+
+    def stopped(self, now: float) -> None:
+        """A decoding request ended (finished, aborted or cut)."""
+        self._advance(now)
+        self.decoding_now -= 1
+
+    @contextlib.asynccontextmanager
+    async def decoding(self) -> AsyncIterator[Callable[[int], None]]:
+        """Around one engine request's outputs (async, as they are): the function given takes each
+        delivery's token count; the request decodes from its first delivery (its prefill's tokens) until
+        the block ends, however it ends."""
+        started = False
+
+        def delivered(n: int) -> None:
+            nonlocal started
+            if started:
+                self.tokens(n)
+            else:
+                started = True
+                self.started(time.monotonic())
+
+        try:
+            yield delivered
+        finally:
+            if started:
+                self.stopped(time.monotonic())
+
+    def take(self, now: float) -> Window:
+        """The window since the last take(); a new one starts."""
+        self._advance(now)
+        window = Window(now - self._window_start, self._stream_s, self._tokens, self._peak)
+        self._window_start, self._stream_s, self._tokens, self._peak = now, 0.0, 0, self.decoding_now
+        return window
+
+    def _advance(self, now: float) -> None:
+        self._stream_s += self.decoding_now * (now - self._since)
+        self._since = now
+
+
+class CapacityLimit:
+    """The number of streams admitted at once, moved each window by the pace the engine kept."""
+
+    def __init__(self, initial: float, floor: int, ceiling: int, target_pace: float) -> None:
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
+        self.floor, self.ceiling, self.target_pace = floor, ceiling, target_pace
+        self.limit = float(min(max(initial, floor), ceiling))
+        self.pace: float | None = None  # the last window's
+        self._codec_trouble = False
+
+    @property
+    def streams(self) -> int:
+        """The whole streams the limit admits."""
+        return int(self.limit)
+
+    def codec_trouble(self) -> None:
+        """A codec stream failed over (a replica refused, stalled or went away) since the last window."""
+        self._codec_trouble = True
+
+    def update(self, window: Window, peak_admitted: int, refused: bool) -> float:
+        """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it;
+        `refused`: whether a stream was refused for the limit in it. Returns the new limit."""
+        pace, limit = window.pace, self.limit
+        self.pace = pace
+        if pace is not None and pace < self.target_pace:
+            # Too slow for the streams decoding: the limit those streams would keep at the target.
+            limit = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace))
+        elif pace is not None and (refused or peak_admitted >= self.streams):
+            limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + math.sqrt(limit)))
+        if self._codec_trouble:
+            limit = min(limit, self.limit * CODEC_BACKOFF)
+            self._codec_trouble = False
+        self.limit = min(max(limit, float(self.floor)), float(self.ceiling))
+        return self.limit

@@ -1,0 +1,148 @@
+"""The admission limit's decisions (llm_server/capacity.py) on scripted paces: a GPU-shaped step time
+(a fixed part plus a part per stream), windows of offered load, the codec's trouble. No clocks: every
+time is given."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llm_server.admission import KEY, WORKER, AdmissionController
+from llm_server.capacity import MIN_STREAM_S, REALTIME_TOKENS_PER_S, CapacityLimit, PaceMeter, Window
+from llm_server.config import LlmServerConfig
+
+TARGET = LlmServerConfig.model_fields["target_pace"].default  # 1.05
+
+
+def step_ms_curve(fixed_ms: float, per_stream_ms: float):
+    return lambda batch: fixed_ms + per_stream_ms * batch
+
+
+def window_at(batch: float, step_ms, seconds: float = 1.0) -> Window:
+    """`batch` streams decoding for `seconds`, each getting a token a step of step_ms(batch)."""
+    tokens = batch * seconds * 1000.0 / step_ms(batch)
+    return Window(seconds, batch * seconds, round(tokens), math.ceil(batch))
+
+
+def at_target(step_ms, target: float = TARGET) -> float:
+    """The batch whose pace is `target`: step_ms(batch) = 1000 / (82.03 x target)."""
+    budget = 1000.0 / (REALTIME_TOKENS_PER_S * target)
+    return (budget - step_ms(0)) / (step_ms(1) - step_ms(0))
+
+
+def run(limit: CapacityLimit, step_ms, windows: int, offered: float = math.inf) -> list[float]:
+    """Each window: min(offered, limit) streams decode at the curve's pace; demand above the limit is refused."""
+    seen = []
+    for _ in range(windows):
+        batch = min(offered, limit.streams)
+        limit.update(window_at(batch, step_ms), peak_admitted=math.ceil(batch), refused=offered > limit.streams)
+        seen.append(limit.limit)
+    return seen
+
+
+H100_LIKE = step_ms_curve(2.0, 0.051)  # 12.2 ms at 200 streams: real time for 200
+SLOWER = step_ms_curve(4.0, 0.12)  # a smaller GPU: real time for 68
+
+
+@pytest.mark.parametrize("curve", [H100_LIKE, SLOWER], ids=["h100-like", "slower"])
+def test_the_limit_rises_to_the_batch_that_keeps_the_target_pace_and_never_past_it(curve):
+    limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
+    seen = run(limit, curve, windows=60)
+    goal = at_target(curve)
+    assert max(seen) <= goal + 1e-9, "no overshoot on the way up"
+    assert seen[-1] >= goal - 1, f"settled at {seen[-1]:.1f}, the target pace's batch is {goal:.1f}"
+    assert all(b >= a for a, b in zip(seen, seen[1:])), "rising only, under demand"
+    # settled streams run 5% ahead of real time: over 90% of the streams these curves keep in real time
+    realtime = at_target(curve, 1.0)
+    assert int(seen[-1]) >= 0.9 * realtime - 1
+
+
+def test_growth_is_at_most_the_square_root_of_the_limit_a_window():
+    limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
+    before = limit.limit
+    limit.update(window_at(16, step_ms_curve(1.0, 0.0)), peak_admitted=16, refused=True)  # pace ~12: far ahead
+    assert limit.limit == pytest.approx(before + math.sqrt(before))
+
+
+def test_a_slower_engine_brings_the_limit_down_to_its_batch_without_undershoot_and_at_most_halving():
+    limit = CapacityLimit(initial=200, floor=1, ceiling=4096, target_pace=TARGET)
+    before = run(limit, H100_LIKE, windows=40)[-1]
+    assert before > 150
+    seen = run(limit, SLOWER, windows=40)  # the GPU got slower (another tenant, thermal limits)
+    goal = at_target(SLOWER)
+    assert min(seen) >= goal - 1e-9, "no undershoot on the way down"
+    assert seen[-1] <= goal + 1
+    halving = [before, *seen]
+    assert all(b >= a / 2 - 1e-9 for a, b in zip(halving, halving[1:]))
+
+
+def test_without_demand_at_the_limit_it_does_not_grow():
+    limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
+    run(limit, H100_LIKE, windows=20, offered=4)  # 4 streams, far ahead of real time
+    assert limit.streams == 16
+
+
+def test_a_window_with_too_little_decoding_changes_nothing():
+    limit = CapacityLimit(initial=16, floor=1, ceiling=64, target_pace=TARGET)
+    limit.update(Window(1.0, MIN_STREAM_S / 2, 1, 1), peak_admitted=16, refused=True)  # a stream's first half second
+    assert limit.limit == 16 and limit.pace is None
+
+
+def test_a_slow_window_with_idle_streams_admitted_shrinks_to_what_decoded():
+    """Sessions waiting for text do not decode: the limit follows the streams that did."""
+    limit = CapacityLimit(initial=16, floor=1, ceiling=64, target_pace=TARGET)
+    window = Window(1.0, 12.0, round(12 * REALTIME_TOKENS_PER_S * 0.99), 12)  # 12 of 16 decoding, under real time
+    limit.update(window, peak_admitted=16, refused=False)
+    assert limit.limit == pytest.approx(12 * 0.99 / TARGET, rel=1e-3)
+
+
+def test_codec_trouble_shrinks_the_limit_once_a_window():
+    limit = CapacityLimit(initial=100, floor=1, ceiling=4096, target_pace=TARGET)
+    limit.codec_trouble()
+    limit.codec_trouble()
+    limit.update(window_at(100, step_ms_curve(1.0, 0.0)), peak_admitted=50, refused=False)  # fast, not binding
+    assert limit.limit == pytest.approx(90.0)
+    limit.update(window_at(50, step_ms_curve(1.0, 0.0)), peak_admitted=50, refused=False)
+    assert limit.limit == pytest.approx(90.0), "the trouble was counted once"
+
+
+def test_floor_and_ceiling_hold():
+    limit = CapacityLimit(initial=8, floor=4, ceiling=10, target_pace=TARGET)
+    run(limit, step_ms_curve(100.0, 10.0), windows=10)  # hopelessly slow
+    assert limit.streams == 4
+    run(limit, step_ms_curve(0.1, 0.0), windows=10)
+    assert limit.streams == 10
+    fixed = CapacityLimit(initial=16, floor=8, ceiling=8, target_pace=TARGET)
+    assert fixed.streams == 8 and run(fixed, step_ms_curve(100.0, 10.0), windows=3)[-1] == 8
+    with pytest.raises(ValueError, match="floor"):
+        CapacityLimit(initial=1, floor=9, ceiling=8, target_pace=TARGET)
+
+
+def test_the_meter_counts_decoding_from_the_first_token_to_the_end():
+    meter = PaceMeter(now=0.0)
+    meter.started(0.5)  # the first delivery: prefill's tokens, not counted
+    meter.tokens(41)
+    meter.started(1.0)
+    meter.tokens(82)
+    meter.stopped(1.5)
+    window = meter.take(2.0)
+    assert window.elapsed_s == 2.0 and window.stream_s == pytest.approx(1.5 + 0.5) and window.peak_decoding == 2
+    assert window.pace == pytest.approx(123 / 2.0 / REALTIME_TOKENS_PER_S)
+    assert window.mean_decoding == pytest.approx(1.0)
+    nxt = meter.take(3.0)  # one stream still decoding: the next window starts with it
+    assert nxt.stream_s == pytest.approx(1.0) and nxt.peak_decoding == 1 and nxt.tokens == 0
+
+
+def test_admission_refuses_at_the_limit_and_the_refusal_lets_it_grow():
+    admission = AdmissionController(CapacityLimit(initial=2, floor=1, ceiling=64, target_pace=TARGET), PaceMeter(0.0))
+    assert admission.admit() is None and admission.admit("k", key_limit=1) is None
+    assert admission.admit("k", key_limit=1) == KEY, "the key's own cap first"
+    assert admission.admit() == WORKER and admission.free == 0
+    for t in (0.0, 0.0):
+        admission.meter.started(t)
+    admission.meter.tokens(round(2 * 0.9 * REALTIME_TOKENS_PER_S * 3))  # two streams, 0.9 s, 3 x real time
+    admission.end_window(0.9)  # pace 3.0: room, and demand met the limit
+    assert admission.max_streams == 3 and admission.free == 1
+    admission.release("k")
+    assert admission.active == 1 and admission.active_per_key == {}

@@ -1,0 +1,138 @@
+"""Capacity measured and routed by (issue 25): a worker's limit follows the pace its engine keeps
+(llm_server/capacity.py) and every reply says how many more streams it would admit (X-Capacity-Free);
+the front sends each stream to the worker with the most free capacity.
+
+The worker runs in-process (tests/served.py: the real app and runtime over an engine double that is
+slower or faster than real time, a real codec server); the front's choice is tested on its pool and on
+the real front app over two worker doubles that report their capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+from fastapi import FastAPI, Response
+from served import ScriptedEngineDouble, body, serve_app, serving
+from websockets.asyncio.client import connect
+
+from orpheus_common.http import CAPACITY_FREE
+from orpheus_front.front import WorkerPool, create_front_app
+
+A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+
+def test_the_pool_prefers_the_most_free_capacity_and_counts_what_it_sent_since():
+    pool = WorkerPool([A, B])
+    assert set(pool.order()) == {A, B} and pool.free(A) == math.inf  # not heard from: tried
+    pool.acquire(A)
+    pool.report(A, "2")  # A admitted our stream and would take 2 more
+    pool.acquire(B)
+    pool.report(B, "5")
+    assert pool.order() == [B, A]
+    for _ in range(4):  # four more streams to B: it has 1 left by its last word, A has 2
+        pool.acquire(B)
+    assert (pool.free(A), pool.free(B)) == (2, 1) and pool.order() == [A, B]
+    pool.release(B)
+    pool.release(B)  # two of them ended
+    assert pool.free(B) == 3 and pool.order()[0] == B
+    pool.report(A, "zero")  # not a count: ignored
+    assert pool.free(A) == 2
+
+
+def test_a_refusal_reports_no_room_and_a_worker_that_left_is_forgotten_whole():
+    pool = WorkerPool([A, B])
+    pool.acquire(A)
+    pool.release(A)  # its 429: the refused stream is not held...
+    pool.report(A, "0")  # ...and it has no room
+    assert pool.free(A) == 0 and pool.order() == [B, A]  # B unknown: tried first; A still tried last
+    pool.acquire(A)
+    pool.update([B])  # A leaves with a stream in flight
+    pool.release(A)
+    assert A not in pool.active and pool.free(A) == math.inf  # nothing of it kept
+
+
+async def test_the_front_sends_streams_where_capacity_is_free():
+    """Worker `full` refuses (429, no room); `roomy` admits. After one refusal the front goes to `roomy`
+    first: no stream pays the full worker's round trip again while `roomy` says it has room."""
+    hits = {"full": 0, "roomy": 0}
+
+    def worker(name: str, status: int, free: int) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/audio/speech")
+        async def speech() -> Response:
+            hits[name] += 1
+            return Response(b"\x00\x00" * 2048 if status == 200 else b"{}", status, {CAPACITY_FREE: str(free)},
+                            media_type="audio/pcm")
+
+        return app
+
+    async with serve_app(worker("full", 429, 0)) as full_port, serve_app(worker("roomy", 200, 100)) as roomy_port:
+        full, roomy = f"http://127.0.0.1:{full_port}", f"http://127.0.0.1:{roomy_port}"
+        front = create_front_app([full, roomy])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://front") as client:
+            replies = [await client.post("/v1/audio/speech", json=body()) for _ in range(10)]
+    assert [r.status_code for r in replies] == [200] * 10
+    assert hits["roomy"] == 10 and hits["full"] <= 1, hits
+
+
+async def test_every_reply_and_handshake_says_the_free_capacity(snac_server):
+    engine = ScriptedEngineDouble(frames=200, frames_per_batch=1, batch_delay_s=0.02)  # 4 s streams
+    async with serving(snac_server, engine, max_streams=3) as served, httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+        assert (await http.get("/health")).headers[CAPACITY_FREE] == "3"
+        async with http.stream("POST", "/v1/audio/speech", json=body()) as first:
+            assert first.status_code == 200 and first.headers[CAPACITY_FREE] == "2"  # after its own admission
+            async with connect(served.url.replace("http", "ws") + "/tts/websocket") as ws:
+                assert ws.response.headers[CAPACITY_FREE] == "2"  # a socket holds no slot until it speaks
+            async with http.stream("POST", "/v1/audio/speech", json=body()) as second, \
+                    http.stream("POST", "/v1/audio/speech", json=body()) as third:
+                assert (second.status_code, third.status_code) == (200, 200)
+                refused = await http.post("/v1/audio/speech", json=body())
+                assert refused.status_code == 429 and refused.headers[CAPACITY_FREE] == "0"
+
+
+async def _until(condition, within_s: float = 60.0) -> None:
+    """Poll until `condition()`; the bound only keeps a broken build from hanging."""
+    for _ in range(int(within_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met")
+
+
+async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusals_say_why(snac_server):
+    """70 tokens/s a stream (real time is 82): the limit falls from 4 to the floor; a new stream is refused
+    for capacity, counted by cause; the pace gauge says how far behind."""
+    engine = ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.1)  # 7 tokens / 0.1 s
+    async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4,
+                       capacity_window_s=0.25) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        admission, registry = served.runtime.admission, served.runtime.metrics.registry
+        streams = [asyncio.create_task(http.post("/v1/audio/speech", json=body())) for _ in range(4)]
+        await _until(lambda: admission.active == 4)
+        await _until(lambda: admission.max_streams < 4)
+        refused = await http.post("/v1/audio/speech", json=body())
+        assert refused.status_code == 429 and "retry-after" in refused.headers
+        assert registry.get_sample_value("megapod_worker_refusals_total", {"cause": "capacity"}) >= 1
+        assert registry.get_sample_value("megapod_worker_pace_ratio") < 1.0
+        assert registry.get_sample_value("megapod_worker_capacity_streams") == admission.max_streams
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await _until(lambda: admission.active == 0)
+
+
+async def test_an_engine_ahead_of_real_time_lets_the_limit_grow_under_demand(snac_server):
+    """280 tokens/s a stream: with two streams held and a third refused, the limit grows and the third
+    is admitted on a later try, never past the ceiling."""
+    engine = ScriptedEngineDouble(frames=100, frames_per_batch=2, batch_delay_s=0.05)  # 2.5 s streams
+    async with serving(snac_server, engine, max_streams=3, min_streams=1, initial_streams=2,
+                       capacity_window_s=0.5) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        admission = served.runtime.admission
+        held = [asyncio.create_task(http.post("/v1/audio/speech", json=body())) for _ in range(2)]
+        await _until(lambda: admission.active == 2)
+        assert (await http.post("/v1/audio/speech", json=body())).status_code == 429  # demand meets the limit
+        await _until(lambda: admission.max_streams == 3)
+        third = await http.post("/v1/audio/speech", json=body("Hi."))
+        assert third.status_code == 200 and admission.max_streams == 3  # the ceiling
+        await asyncio.gather(*held)
