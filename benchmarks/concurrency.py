@@ -54,8 +54,9 @@ from concurrency_bench.search import Search  # noqa: E402
 from concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot  # noqa: E402
 import provenance  # noqa: E402
 
-# The search finds N_max, so the workers' admission must not: a stack started here admits a fixed
-# number of streams far above it (unset, each worker measures its own limit and refuses past it).
+# The search finds N_max, so the workers' admission must not: every stack started here admits a fixed
+# --max-n streams a worker, whatever --megapod-args say (unset, each worker measures its own limit and
+# refuses past it).
 FIXED_LIMIT = "--min-streams-per-worker {n} --max-streams-per-worker {n}"
 # --quick is the full benchmark in slow motion for a 2-core CPU running the tiny model: the
 # listener plays at 0.1x real time and every time target is 10x the GPU default. Short turns only,
@@ -63,11 +64,10 @@ FIXED_LIMIT = "--min-streams-per-worker {n} --max-streams-per-worker {n}"
 # has sent one counted request, and levels that fail end at once.
 FULL = {"pace": 1.0, "ttfa_target_s": 0.5, "buffer_s": 0.3, "kinds": "short,medium,long", "stagger_s": 3.0,
         "warmup_s": 10.0, "window_s": 60.0, "max_n": 1024, "max_levels": 40, "max_level_s": 900.0,
-        "warmup_requests": 2, "headroom_seconds": 20.0, "megapod_args": FIXED_LIMIT.format(n=1024)}
+        "warmup_requests": 2, "headroom_seconds": 20.0, "megapod_args": ""}
 QUICK = {"pace": 0.1, "ttfa_target_s": 5.0, "buffer_s": 3.0, "kinds": "short", "stagger_s": 2.0,
          "warmup_s": 0.0, "window_s": 0.0, "max_n": 16, "max_levels": 12, "max_level_s": 150.0,
-         "warmup_requests": 1, "headroom_seconds": 8.0,
-         "megapod_args": "--replicas 1 --enforce-eager true " + FIXED_LIMIT.format(n=64)}
+         "warmup_requests": 1, "headroom_seconds": 8.0, "megapod_args": "--replicas 1 --enforce-eager true"}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -161,7 +161,8 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
         out.append(Target(name, endpoint(name, url), search(), gpus=next(gpus, None)))
     for policy in args.policy:
         name = next(names, policy)
-        stack = LocalStack(name, [*shlex.split(args.megapod_args), "--codec-policy", policy], log_dir)
+        stack = LocalStack(name, [*shlex.split(args.megapod_args), *FIXED_LIMIT.format(n=args.max_n).split(),
+                                  "--codec-policy", policy], log_dir)
         stack.plan(taken)
         out.append(Target(name, endpoint(name, stack.url), search(), stack, next(gpus, None)))
     if len({t.name for t in out}) != len(out):

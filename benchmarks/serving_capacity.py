@@ -2,7 +2,7 @@
 
 The worker is llm-server's app and runtime over serving_cpu's StepEngineDouble, whose step time
 grows with its batch by a curve (FIXED_MS,PER_STREAM_MS) whose real-time crossing is known (the
-default, 2.0 + 0.051 ms a stream: 199 streams get a token every 12.19 ms); the codec replica is
+default, 2.0 + 0.085 ms a stream: 119 streams get a token every 12.19 ms); the codec replica is
 snac-server over the decoder double. 1.5 x that many closed-loop clients ask for streams at once; a
 refused client waits its Retry-After (1 s) and asks again. Admission is the product's default: no
 max_streams, the limit the capacity controller measures (llm_server/capacity.py).
@@ -93,17 +93,21 @@ async def flood(port: int, clients: int, seconds: float) -> dict:
     stop_at, t0 = time.perf_counter() + seconds, time.perf_counter()
     admitted: list[dict] = []
     refusals: list[float] = []
+    errors: list[str] = []  # anything but a 429
 
     async def client(k: int) -> None:
         await asyncio.sleep(k * 0.005)  # 200 clients a second come in, not one thundering step
         while time.perf_counter() < stop_at:
             sent = time.perf_counter()
             result = await one_stream(port, body)
-            if "error" in result:
-                refusals.append(time.perf_counter() - sent)
-                await asyncio.sleep(RETRY_S)
-            else:
+            if "error" not in result:
                 admitted.append(result)
+                continue
+            if " 429 " in result["error"]:
+                refusals.append(time.perf_counter() - sent)
+            else:
+                errors.append(result["error"])
+            await asyncio.sleep(RETRY_S)
 
     timeline: list[dict] = []
     sampler = asyncio.create_task(sample(port, t0, timeline))
@@ -112,7 +116,7 @@ async def flood(port: int, clients: int, seconds: float) -> dict:
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    return {"admitted": admitted, "refusals": refusals, "timeline": timeline, "t0": t0}
+    return {"admitted": admitted, "refusals": refusals, "errors": errors, "timeline": timeline, "t0": t0}
 
 
 async def sample(port: int, t0: float, rows: list[dict]) -> None:
@@ -147,7 +151,7 @@ def summary(measured: dict, offered: int, seconds: float, pace: float = 1.0) -> 
         "offered_clients": offered, "streams_admitted": len(admitted), "streams_late": in_time.count(False),
         "late_by_start_s": late_by_10s, "buffer_needed_p99_s": round(statistics.quantiles(needed, n=100)[-1], 3)
         if len(needed) >= 2 else None,
-        "refusals": len(refusals), "listener_pace": pace, "player_buffer_s": BUFFER_S / pace, "timeline": timeline,
+        "refusals": len(refusals), "errors": len(measured["errors"]), "listener_pace": pace, "player_buffer_s": BUFFER_S / pace, "timeline": timeline,
     }
 
 

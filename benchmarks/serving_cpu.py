@@ -202,18 +202,20 @@ def run_worker(port: int, snac: str, curve: StepCurve, frames: int, stream_inter
                measured: bool = False) -> None:
     """llm-server's app and runtime over the engine double. Admission: a fixed 4096 streams, or
     (`measured`) the product's default, the limit its capacity controller measures, under a ceiling of
-    MEASURED_CEILING (the max_num_seqs of the H100 profile's engine)."""
+    MEASURED_CEILING (max_num_seqs: well above any curve's capacity here)."""
     import uvicorn
     import uvloop
     from transformers import AutoTokenizer
 
     from llm_server.api import create_app
     from llm_server.codec_client import CodecClient
-    from llm_server.config import LlmServerConfig
+    from llm_server.config import GPU_TARGET_PACE, LlmServerConfig
     from llm_server.model_source import resolve_model
     from llm_server.runtime import Runtime, codec_client_config
 
-    streams = {"max_num_seqs": MEASURED_CEILING} if measured else {"max_streams": 4096, "min_streams": 4096}
+    # measured as on a GPU (the double's pace is a GPU's): not the slow motion a CPU device gets by default
+    streams = ({"max_num_seqs": MEASURED_CEILING, "target_pace": GPU_TARGET_PACE} if measured
+               else {"max_streams": 4096, "min_streams": 4096})
     config = LlmServerConfig(host="127.0.0.1", port=port, snac=snac, max_client_lag_s=600.0, **streams)
 
     async def main() -> None:

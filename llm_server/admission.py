@@ -24,7 +24,6 @@ class AdmissionController:
         self.active = 0
         self.active_per_key: dict[str, int] = {}
         self._peak = 0  # the most streams admitted at once this window
-        self._refused = False  # a stream refused for the limit this window
 
     @property
     def max_streams(self) -> int:
@@ -36,20 +35,13 @@ class AdmissionController:
         """Streams that would be admitted now (what the front routes by)."""
         return max(0, self.limit.streams - self.active)
 
-    def full(self) -> bool:
-        """No stream would be admitted now; a caller that refuses one for it says so by asking."""
-        if self.free:
-            return False
-        self._refused = True  # demand met the limit: it may grow (CapacityLimit.update)
-        return True
-
     def admit(self, key: str | None = None, key_limit: int = 0) -> str | None:
         """Take a slot (and one of `key`'s, if it has a limit); None when admitted, else which
         limit refused: KEY or WORKER."""
         held = self.active_per_key.get(key, 0) if key is not None else 0
         if key_limit and held >= key_limit:
             return KEY
-        if self.full():
+        if not self.free:
             return WORKER
         self.active += 1
         self._peak = max(self._peak, self.active)
@@ -67,9 +59,15 @@ class AdmissionController:
             else:
                 self.active_per_key.pop(key, None)
 
-    def end_window(self, now: float) -> Window:
-        """A control window ends: the limit moves by the pace measured in it."""
+    def end_window(self, now: float) -> Window | None:
+        """A control window ends, once its streams decoded enough to judge the pace by (the limit's
+        window_stream_s; else it goes on): the limit moves by the pace measured in it. None while it goes on."""
+        if self.meter.decoded_s(now) < self.limit.window_stream_s:
+            self._peak = max(self._peak, self.active)
+            if not self.meter.decoding_now:
+                self.limit.pace = None  # idle: no pace to show (an old one would hold an alert up)
+            return None
         window = self.meter.take(now)
-        self.limit.update(window, self._peak, self._refused)
-        self._peak, self._refused = self.active, False
+        self.limit.update(window, self._peak, self.active)
+        self._peak = self.active
         return window

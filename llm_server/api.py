@@ -78,6 +78,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
             yield
         finally:
             watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
             await app.state.runtime.stop()
 
     app = SpeechApp(title="Orpheus MegaPod", lifespan=lifespan)

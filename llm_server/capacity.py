@@ -12,13 +12,14 @@ window it moves the limit by the ratio of the measured pace to the target pace,
 
     limit <- streams decoding x pace / target
 
-growing by at most sqrt(limit) a window and only while the limit is in use (a stream was refused, or
-the admitted streams reached it), shrinking to at most half. Where a step's time is a fixed part plus a
+growing by at most sqrt(limit) a window and only while the limit is in use (the admitted streams
+reached it), shrinking to at most half. Where a step's time is a fixed part plus a
 part per stream (a GPU's: the weights are read once a step, each stream's KV cache once), that estimate
 lies between the current batch and the batch that runs at the target pace: the limit approaches it
 from either side without overshooting (tests/test_capacity.py holds this on such curves). The codec
 tier's headroom counts too: a codec stream failing over (a replica refusing, stalling or gone) shrinks
-the limit by CODEC_BACKOFF, at most once a window. The limit stays within [floor, ceiling].
+the limit by CODEC_BACKOFF, at most once a window, and holds it from growing for CODEC_HOLD_WINDOWS.
+The limit stays within [floor, ceiling].
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, SAMPLE_RATE
 
 REALTIME_TOKENS_PER_S = CODES_PER_FRAME * SAMPLE_RATE / FRAME_SAMPLES  # 82.03: one stream at real time
 CODEC_BACKOFF = 0.9
-MIN_STREAM_S = 0.5  # a window with less decoding than this says too little about the pace: no change
+CODEC_HOLD_WINDOWS = 5  # after a codec backoff the limit does not grow for this many windows
+# A window ends only once its streams have decoded this many tokens' worth at the target pace (about
+# 24 deliveries of 7): fewer say too little about the pace, and one delivery more or less would move
+# the limit (a CPU's slow-motion target gets windows ten times longer in stream-seconds).
+WINDOW_TOKENS = 170
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,8 @@ class Window:
 
     @property
     def pace(self) -> float | None:
-        """Tokens per decoding stream-second over real time; None without enough decoding to say."""
-        if self.stream_s < MIN_STREAM_S:
+        """Tokens per decoding stream-second over real time; None without decoding."""
+        if self.stream_s <= 0:
             return None
         return self.tokens / self.stream_s / REALTIME_TOKENS_PER_S
 
@@ -103,6 +108,10 @@ class PaceMeter:
             if started:
                 self.stopped(time.monotonic())
 
+    def decoded_s(self, now: float) -> float:
+        """Stream-seconds of decoding in the window so far."""
+        return self._stream_s + self.decoding_now * (now - self._since)
+
     def take(self, now: float) -> Window:
         """The window since the last take(); a new one starts."""
         self._advance(now)
@@ -122,9 +131,11 @@ class CapacityLimit:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
         self.floor, self.ceiling, self.target_pace = floor, ceiling, target_pace
+        self.window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
         self.limit = float(min(max(initial, floor), ceiling))
         self.pace: float | None = None  # the last window's
         self._codec_trouble = False
+        self._hold = 0  # windows left without growth after a codec backoff
 
     @property
     def streams(self) -> int:
@@ -135,18 +146,22 @@ class CapacityLimit:
         """A codec stream failed over (a replica refused, stalled or went away) since the last window."""
         self._codec_trouble = True
 
-    def update(self, window: Window, peak_admitted: int, refused: bool) -> float:
-        """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it;
-        `refused`: whether a stream was refused for the limit in it. Returns the new limit."""
-        pace, limit = window.pace, self.limit
+    def update(self, window: Window, peak_admitted: int, admitted: int) -> float:
+        """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
+        the limit: demand met it, and every stream past it was refused); `admitted`: now. Returns the
+        new limit. A window with less decoding than window_stream_s changes nothing."""
+        pace = window.pace if window.stream_s >= self.window_stream_s else None
+        limit = self.limit
         self.pace = pace
         if pace is not None and pace < self.target_pace:
             # Too slow for the streams decoding: the limit those streams would keep at the target.
             limit = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace))
-        elif pace is not None and (refused or peak_admitted >= self.streams):
+        elif pace is not None and peak_admitted >= self.streams >= admitted and not self._hold:
+            # In use, and not still over it after a decrease (the streams past it are yet to end).
             limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + math.sqrt(limit)))
+        self._hold = max(0, self._hold - 1)
         if self._codec_trouble:
             limit = min(limit, self.limit * CODEC_BACKOFF)
-            self._codec_trouble = False
+            self._codec_trouble, self._hold = False, CODEC_HOLD_WINDOWS
         self.limit = min(max(limit, float(self.floor)), float(self.ceiling))
         return self.limit

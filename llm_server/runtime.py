@@ -80,7 +80,7 @@ class Runtime:
         """A worker's runtime around a started engine and a codec client: metrics, pipeline, admission."""
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
-        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.target_pace)
+        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.pace_target)
         admission = AdmissionController(limit, PaceMeter(time.monotonic()))
         metrics.capacity.set_function(lambda: admission.max_streams)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
@@ -92,15 +92,17 @@ class Runtime:
         failovers = self.codec.failovers
         while True:
             await asyncio.sleep(self.config.capacity_window_s)
-            if self.codec.failovers > failovers:
-                failovers = self.codec.failovers
-                self.admission.limit.codec_trouble()
-            before = self.admission.max_streams
-            window = self.admission.end_window(time.monotonic())
-            if self.admission.max_streams != before:
-                log.debug("admission limit %d -> %d streams (pace %s over %.1f decoding streams)", before,
-                         self.admission.max_streams, "n/a" if window.pace is None else f"{window.pace:.2f}",
-                         window.mean_decoding)
+            try:  # a failure here must not freeze the limit for the worker's life
+                if self.codec.failovers > failovers:
+                    failovers = self.codec.failovers
+                    self.admission.limit.codec_trouble()
+                before = self.admission.max_streams
+                window = self.admission.end_window(time.monotonic())
+                if window is not None and self.admission.max_streams != before:
+                    log.debug("admission limit %d -> %d streams (pace %.2f over %.1f decoding streams)", before,
+                              self.admission.max_streams, window.pace, window.mean_decoding)
+            except Exception:
+                log.exception("moving the admission limit failed; it stays at %d", self.admission.max_streams)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

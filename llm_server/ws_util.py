@@ -71,7 +71,7 @@ class SocketWriter:
 
 async def refuse_when_full(ws: WebSocket, runtime) -> bool:
     """A new socket when every stream slot is taken: accepted and closed at once with 1013."""
-    if not runtime.admission.full():
+    if runtime.admission.free:
         return False
     await ws.accept()
     await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.admission.max_streams} concurrent streams")

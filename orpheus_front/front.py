@@ -105,11 +105,12 @@ class WorkerPool:
         rotated = self.urls[start:] + self.urls[:start]
         return sorted(rotated, key=lambda u: (-self.free(u), self.active[u]))
 
-    def report(self, url: str, free: str | None) -> None:
+    def report(self, url: str, free: str | None, uncounted: int = 0) -> None:
         """`url` said it would admit `free` more streams (its CAPACITY_FREE header) while we held
-        active[url] streams on it; ignored when absent or not a count."""
-        if free is not None and free.isdigit() and url in self.active:
-            self._reported[url] = (int(free), self.active[url])
+        active[url] streams on it, `uncounted` of them not yet admitted there (a socket before it
+        speaks); ignored when absent or not a count."""
+        if free is not None and free.isascii() and free.isdecimal() and url in self.active:
+            self._reported[url] = (int(free), self.active[url] - uncounted)
 
     def free(self, url: str) -> float:
         """Streams `url` would admit now, as far as we know: what it last reported, less the streams we
@@ -265,7 +266,8 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
                 pool.report(url, upstream.headers.get(CAPACITY_FREE))  # after: the refused stream is not held
                 await upstream.aclose()
                 continue
-            pool.report(url, upstream.headers.get(CAPACITY_FREE))  # this stream held, as at the worker
+            if upstream.is_success:  # admitted: the worker's count has this stream, as ours does
+                pool.report(url, upstream.headers.get(CAPACITY_FREE))
             return _relay(upstream, url, pool, active)
         if not at_limit:
             return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
@@ -375,7 +377,7 @@ async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], scope: a
 
 
 def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge) -> StreamingResponse:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS and k.lower() != CAPACITY_FREE}
     headers["x-megapod-worker"] = url
     active.labels(url).inc()  # the pool's slot was taken before the request went out
 
@@ -407,7 +409,7 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
         except BaseException:
             pool.release(url)
             raise
-        pool.report(url, upstream.response.headers.get(CAPACITY_FREE))
+        pool.report(url, upstream.response.headers.get(CAPACITY_FREE), uncounted=1)  # it takes a slot once it speaks
         break
     else:
         await ws.accept()

@@ -9,10 +9,16 @@ import math
 import pytest
 
 from llm_server.admission import KEY, WORKER, AdmissionController
-from llm_server.capacity import MIN_STREAM_S, REALTIME_TOKENS_PER_S, CapacityLimit, PaceMeter, Window
-from llm_server.config import LlmServerConfig
+from llm_server.capacity import (
+    CODEC_HOLD_WINDOWS,
+    REALTIME_TOKENS_PER_S,
+    CapacityLimit,
+    PaceMeter,
+    Window,
+)
+from llm_server.config import GPU_TARGET_PACE
 
-TARGET = LlmServerConfig.model_fields["target_pace"].default  # 1.05
+TARGET = GPU_TARGET_PACE  # 1.05
 
 
 def step_ms_curve(fixed_ms: float, per_stream_ms: float):
@@ -36,7 +42,7 @@ def run(limit: CapacityLimit, step_ms, windows: int, offered: float = math.inf) 
     seen = []
     for _ in range(windows):
         batch = min(offered, limit.streams)
-        limit.update(window_at(batch, step_ms), peak_admitted=math.ceil(batch), refused=offered > limit.streams)
+        limit.update(window_at(batch, step_ms), peak_admitted=math.ceil(batch), admitted=math.ceil(batch))
         seen.append(limit.limit)
     return seen
 
@@ -61,7 +67,7 @@ def test_the_limit_rises_to_the_batch_that_keeps_the_target_pace_and_never_past_
 def test_growth_is_at_most_the_square_root_of_the_limit_a_window():
     limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
     before = limit.limit
-    limit.update(window_at(16, step_ms_curve(1.0, 0.0)), peak_admitted=16, refused=True)  # pace ~12: far ahead
+    limit.update(window_at(16, step_ms_curve(1.0, 0.0)), peak_admitted=16, admitted=16)  # pace ~12: far ahead
     assert limit.limit == pytest.approx(before + math.sqrt(before))
 
 
@@ -85,7 +91,7 @@ def test_without_demand_at_the_limit_it_does_not_grow():
 
 def test_a_window_with_too_little_decoding_changes_nothing():
     limit = CapacityLimit(initial=16, floor=1, ceiling=64, target_pace=TARGET)
-    limit.update(Window(1.0, MIN_STREAM_S / 2, 1, 1), peak_admitted=16, refused=True)  # a stream's first half second
+    limit.update(Window(1.0, limit.window_stream_s / 2, 90, 1), peak_admitted=16, admitted=16)  # too little to judge
     assert limit.limit == 16 and limit.pace is None
 
 
@@ -93,18 +99,21 @@ def test_a_slow_window_with_idle_streams_admitted_shrinks_to_what_decoded():
     """Sessions waiting for text do not decode: the limit follows the streams that did."""
     limit = CapacityLimit(initial=16, floor=1, ceiling=64, target_pace=TARGET)
     window = Window(1.0, 12.0, round(12 * REALTIME_TOKENS_PER_S * 0.99), 12)  # 12 of 16 decoding, under real time
-    limit.update(window, peak_admitted=16, refused=False)
+    limit.update(window, peak_admitted=16, admitted=16)
     assert limit.limit == pytest.approx(12 * 0.99 / TARGET, rel=1e-3)
 
 
-def test_codec_trouble_shrinks_the_limit_once_a_window():
+def test_codec_trouble_shrinks_the_limit_once_a_window_and_holds_it_a_while():
     limit = CapacityLimit(initial=100, floor=1, ceiling=4096, target_pace=TARGET)
     limit.codec_trouble()
     limit.codec_trouble()
-    limit.update(window_at(100, step_ms_curve(1.0, 0.0)), peak_admitted=50, refused=False)  # fast, not binding
+    limit.update(window_at(100, step_ms_curve(1.0, 0.0)), peak_admitted=50, admitted=50)  # fast, not binding
     assert limit.limit == pytest.approx(90.0)
-    limit.update(window_at(50, step_ms_curve(1.0, 0.0)), peak_admitted=50, refused=False)
-    assert limit.limit == pytest.approx(90.0), "the trouble was counted once"
+    for _ in range(CODEC_HOLD_WINDOWS):  # then at the limit and far ahead of real time: no growth yet
+        limit.update(window_at(90, step_ms_curve(1.0, 0.0)), peak_admitted=90, admitted=90)
+    assert limit.limit == pytest.approx(90.0), "counted once, and held"
+    limit.update(window_at(90, step_ms_curve(1.0, 0.0)), peak_admitted=90, admitted=90)
+    assert limit.limit > 90
 
 
 def test_floor_and_ceiling_hold():
@@ -134,15 +143,39 @@ def test_the_meter_counts_decoding_from_the_first_token_to_the_end():
     assert nxt.stream_s == pytest.approx(1.0) and nxt.peak_decoding == 1 and nxt.tokens == 0
 
 
-def test_admission_refuses_at_the_limit_and_the_refusal_lets_it_grow():
+def test_admission_refuses_at_the_limit_and_a_limit_in_use_grows():
     admission = AdmissionController(CapacityLimit(initial=2, floor=1, ceiling=64, target_pace=TARGET), PaceMeter(0.0))
     assert admission.admit() is None and admission.admit("k", key_limit=1) is None
     assert admission.admit("k", key_limit=1) == KEY, "the key's own cap first"
     assert admission.admit() == WORKER and admission.free == 0
     for t in (0.0, 0.0):
         admission.meter.started(t)
-    admission.meter.tokens(round(2 * 0.9 * REALTIME_TOKENS_PER_S * 3))  # two streams, 0.9 s, 3 x real time
-    admission.end_window(0.9)  # pace 3.0: room, and demand met the limit
+    admission.meter.tokens(round(2 * 1.0 * REALTIME_TOKENS_PER_S * 3))  # two streams, 1 s, 3 x real time
+    assert admission.end_window(0.5) is None, "1 stream-second: too little, the window goes on"
+    admission.end_window(1.0)  # 2 stream-seconds (window_stream_s: 1.97), pace 3.0: room, the limit in use
     assert admission.max_streams == 3 and admission.free == 1
     admission.release("k")
     assert admission.active == 1 and admission.active_per_key == {}
+
+
+def test_an_idle_worker_shows_no_pace():
+    """The last busy window's pace must not stay on the gauge (and hold an alert up) once nothing decodes."""
+    admission = AdmissionController(CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=TARGET), PaceMeter(0.0))
+    admission.meter.started(0.0)
+    admission.meter.tokens(round(2.0 * REALTIME_TOKENS_PER_S * 0.9))
+    admission.meter.stopped(2.0)
+    assert admission.end_window(2.0) is not None and admission.limit.pace == pytest.approx(0.9, abs=0.01)
+    assert admission.end_window(3.0) is None and admission.limit.pace is None
+
+
+def test_no_growth_while_the_streams_admitted_are_still_over_a_lowered_limit():
+    """After a decrease the streams past the new limit are yet to end: a fast window then (noise, or a
+    moment's relief) must not raise the limit again before they have."""
+    limit = CapacityLimit(initial=8, floor=1, ceiling=64, target_pace=TARGET)
+    limit.update(window_at(8, step_ms_curve(20.0, 0.0)), peak_admitted=8, admitted=8)  # slow: down
+    lowered = limit.limit
+    assert lowered < 8
+    limit.update(window_at(8, step_ms_curve(1.0, 0.0)), peak_admitted=8, admitted=8)  # fast, 8 still admitted
+    assert limit.limit == lowered
+    limit.update(window_at(limit.streams, step_ms_curve(1.0, 0.0)), peak_admitted=8, admitted=limit.streams)
+    assert limit.limit > lowered, "once the admitted streams are within it, it grows"

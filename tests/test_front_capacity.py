@@ -37,6 +37,9 @@ def test_the_pool_prefers_the_most_free_capacity_and_counts_what_it_sent_since()
     pool.release(B)  # two of them ended
     assert pool.free(B) == 3 and pool.order()[0] == B
     pool.report(A, "zero")  # not a count: ignored
+    pool.report(A, "²")  # a digit to str.isdigit, not to int()
+    assert pool.free(A) == 2
+    pool.report(A, "3", uncounted=1)  # a socket's handshake: it takes a slot there once it speaks
     assert pool.free(A) == 2
 
 
@@ -102,10 +105,10 @@ async def _until(condition, within_s: float = 60.0) -> None:
 
 
 async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusals_say_why(snac_server):
-    """70 tokens/s a stream (real time is 82): the limit falls from 4 to the floor; a new stream is refused
-    for capacity, counted by cause; the pace gauge says how far behind."""
-    engine = ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.1)  # 7 tokens / 0.1 s
-    async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4,
+    """35 tokens/s a stream (real time is 82): the limit falls under the 4 streams held; a new stream is
+    refused for capacity, counted by cause; the pace gauge says how far behind."""
+    engine = ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.2)  # 7 tokens / 0.2 s
+    async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4, target_pace=1.05,
                        capacity_window_s=0.25) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
         admission, registry = served.runtime.admission, served.runtime.metrics.registry
         streams = [asyncio.create_task(http.post("/v1/audio/speech", json=body())) for _ in range(4)]
@@ -125,8 +128,8 @@ async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusal
 async def test_an_engine_ahead_of_real_time_lets_the_limit_grow_under_demand(snac_server):
     """280 tokens/s a stream: with two streams held and a third refused, the limit grows and the third
     is admitted on a later try, never past the ceiling."""
-    engine = ScriptedEngineDouble(frames=100, frames_per_batch=2, batch_delay_s=0.05)  # 2.5 s streams
-    async with serving(snac_server, engine, max_streams=3, min_streams=1, initial_streams=2,
+    engine = ScriptedEngineDouble(frames=200, frames_per_batch=2, batch_delay_s=0.05)  # 5 s streams
+    async with serving(snac_server, engine, max_streams=3, min_streams=1, initial_streams=2, target_pace=1.05,
                        capacity_window_s=0.5) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
         admission = served.runtime.admission
         held = [asyncio.create_task(http.post("/v1/audio/speech", json=body())) for _ in range(2)]
