@@ -29,13 +29,14 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 from concurrency_bench.stack import gauge
 from provenance import record
-from concurrency_bench.metrics import required_buffer_s
-from serving_cpu import BUFFER_S, PACKAGES, TEXT, StepCurve, one_stream, start
+from concurrency_bench.metrics import percentiles, required_buffer_s
+from serving_cpu import BUFFER_S, PACKAGES, TEXT, StepCurve, one_stream, real_time, start
 
 from megapod.launcher import free_ports
 
@@ -65,12 +66,9 @@ def capacity_run(args: argparse.Namespace, logs: Path) -> None:
     finally:
         for proc in started:
             proc.stop(timeout_s=30)
-    result = {"benchmark": "serving_cpu --capacity", "step_curve_ms": str(curve), "capacity_known": known,
-              **summary(measured, offered, args.seconds), "frames_per_reply": args.frames,
-              "seconds": args.seconds, "logs": str(logs), "provenance": record(PACKAGES)}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("timeline", "provenance")}, indent=1))
-    plot(result, Path(args.out).with_suffix(".png"))
+    write({"benchmark": "serving_cpu --capacity", "step_curve_ms": str(curve), "capacity_known": known,
+           **summary(measured, offered, args.seconds), "frames_per_reply": args.frames, "seconds": args.seconds,
+           "logs": str(logs)}, Path(args.out), f"step {curve} ms")
 
 
 def capacity_of(args: argparse.Namespace) -> None:
@@ -79,12 +77,17 @@ def capacity_of(args: argparse.Namespace) -> None:
     port = int(args.capacity_url.rstrip("/").rsplit(":", 1)[1])
     offered = 3 * args.capacity_known
     measured = asyncio.run(flood(port, offered, args.seconds))
-    result = {"benchmark": "serving_cpu --capacity-url", "worker": args.capacity_url, "capacity_known": args.capacity_known,
-              **summary(measured, offered, args.seconds, args.capacity_pace), "seconds": args.seconds,
-              "provenance": record(PACKAGES)}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write({"benchmark": "serving_cpu --capacity-url", "worker": args.capacity_url, "capacity_known": args.capacity_known,
+           **summary(measured, offered, args.seconds, args.capacity_pace), "seconds": args.seconds},
+          Path(args.out), args.capacity_url)
+
+
+def write(result: dict, out: Path, title: str) -> None:
+    """The JSON (with provenance), its figures on stdout, and the plot beside it."""
+    result["provenance"] = record(PACKAGES)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("timeline", "provenance")}, indent=1))
-    plot(result, Path(args.out).with_suffix(".png"), title=f"{args.capacity_url}")
+    plot(result, out.with_suffix(".png"), title)
 
 
 async def flood(port: int, clients: int, seconds: float) -> dict:
@@ -125,8 +128,8 @@ async def sample(port: int, t0: float, rows: list[dict]) -> None:
         while True:
             text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
             rows.append({"t": round(time.perf_counter() - t0, 2), "limit": gauge(text, "megapod_worker_capacity_streams"),
-                             "active": gauge(text, "orpheus_active_streams"),
-                             "pace": _finite(gauge(text, "megapod_worker_pace_ratio"))})
+                         "active": gauge(text, "orpheus_active_streams"),
+                         "pace": _finite(gauge(text, "megapod_worker_pace_ratio"))})
             await asyncio.sleep(SAMPLE_S)
 
 
@@ -138,24 +141,23 @@ def summary(measured: dict, offered: int, seconds: float, pace: float = 1.0) -> 
     """`pace`: the listener's (0.1: the slow motion of benchmarks/concurrency.py --quick, its buffer 10 x longer)."""
     admitted, refusals, timeline = measured["admitted"], measured["refusals"], measured["timeline"]
     settled = [row["limit"] for row in timeline if row["t"] >= seconds * 2 / 3]
-    needed = [required_buffer_s(r["chunks"], pace) if r["chunks"] else math.inf for r in admitted]
-    in_time = [need <= BUFFER_S / pace for need in needed]
-    late_by_10s: dict[int, int] = {}  # when the late ones started: a ramp, or all along
-    for r, ok in zip(admitted, in_time):
-        if not ok:
-            late_by_10s[10 * int((r["sent"] - measured["t0"]) // 10)] = late_by_10s.get(10 * int((r["sent"] - measured["t0"]) // 10), 0) + 1
+    in_time = [real_time(r, pace) for r in admitted]
+    # when the late ones started, by 10 s: a ramp, or all along
+    late_by_10s = Counter(10 * int((r["sent"] - measured["t0"]) // 10) for r, ok in zip(admitted, in_time) if not ok)
+    needed = [required_buffer_s(r["chunks"], pace) for r in admitted if r["chunks"]]
     return {
         "admitted_settled": statistics.median(settled) if settled else None,
         "realtime_share": round(sum(in_time) / len(in_time), 4) if in_time else None,
-        "refusal_p95_ms": round(1000 * statistics.quantiles(refusals, n=20)[-1], 1) if len(refusals) >= 2 else None,
+        "refusal_p95_ms": percentiles([1000 * s for s in refusals], (95,), 1)["p95"],
         "offered_clients": offered, "streams_admitted": len(admitted), "streams_late": in_time.count(False),
-        "late_by_start_s": late_by_10s, "buffer_needed_p99_s": round(statistics.quantiles(needed, n=100)[-1], 3)
-        if len(needed) >= 2 else None,
-        "refusals": len(refusals), "errors": len(measured["errors"]), "listener_pace": pace, "player_buffer_s": BUFFER_S / pace, "timeline": timeline,
+        "late_by_start_s": dict(sorted(late_by_10s.items())),
+        "buffer_needed_p99_s": percentiles(needed, (99,), 3)["p99"],
+        "refusals": len(refusals), "errors": len(measured["errors"]), "listener_pace": pace,
+        "player_buffer_s": BUFFER_S / pace, "timeline": timeline,
     }
 
 
-def plot(result: dict, path: Path, title: str = "") -> None:
+def plot(result: dict, path: Path, title: str) -> None:
     """The limit and the active streams over time, against the curve's real-time batch."""
     import matplotlib
 
@@ -170,7 +172,7 @@ def plot(result: dict, path: Path, title: str = "") -> None:
                label=f"known real-time capacity ({result['capacity_known']})")
     ax.set_xlabel("seconds")
     ax.set_ylabel("streams")
-    ax.set_title(f"{title or 'step ' + result['step_curve_ms'] + ' ms'}: settled {result['admitted_settled']}, "
+    ax.set_title(f"{title}: settled {result['admitted_settled']}, "
                  f"real-time share {result['realtime_share']}")
     ax.legend(loc="lower right")
     fig.tight_layout()

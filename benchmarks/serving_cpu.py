@@ -291,9 +291,11 @@ async def one_stream(port: int, body: bytes, path: bytes = b"/v1/audio/speech") 
     return {"sent": sent, "chunks": chunks}
 
 
-def real_time(result: dict) -> bool:
-    """Every chunk arrived before a player, started BUFFER_S after the first byte, needed it."""
-    return "error" not in result and bool(result["chunks"]) and required_buffer_s(result["chunks"]) <= BUFFER_S
+def real_time(result: dict, pace: float = 1.0) -> bool:
+    """Every chunk arrived before a player, started BUFFER_S after the first byte, needed it (a player at
+    `pace`: 0.1 plays ten times slower, with a ten times longer buffer)."""
+    return ("error" not in result and bool(result["chunks"])
+            and required_buffer_s(result["chunks"], pace) <= BUFFER_S / pace)
 
 
 async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path) -> dict:
@@ -546,6 +548,8 @@ def main() -> None:
     parser.add_argument("--lag-file", default="")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks/results/serving_cpu.json"))
     args = parser.parse_args()
+    if args.capacity_url and not args.capacity_known:
+        parser.error("--capacity-url needs --capacity-known (the worker's N_max)")
     if args.role == "codec":
         return run_codec(args.port, args.metrics_port, 4096, args.lag_file)
     if args.role == "worker":

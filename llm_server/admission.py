@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .capacity import CapacityLimit, PaceMeter, Window
 
-WORKER = "capacity"
+CAPACITY = "capacity"
 KEY = "key"
 
 
@@ -37,12 +37,12 @@ class AdmissionController:
 
     def admit(self, key: str | None = None, key_limit: int = 0) -> str | None:
         """Take a slot (and one of `key`'s, if it has a limit); None when admitted, else which
-        limit refused: KEY or WORKER."""
+        limit refused: KEY or CAPACITY."""
         held = self.active_per_key.get(key, 0) if key is not None else 0
         if key_limit and held >= key_limit:
             return KEY
         if not self.free:
-            return WORKER
+            return CAPACITY
         self.active += 1
         self._peak = max(self._peak, self.active)
         if key is not None:
@@ -60,12 +60,11 @@ class AdmissionController:
                 self.active_per_key.pop(key, None)
 
     def end_window(self, now: float) -> Window | None:
-        """A control window ends, once its streams decoded enough to judge the pace by (the limit's
-        window_stream_s; else it goes on): the limit moves by the pace measured in it. None while it goes on."""
-        if self.meter.decoded_s(now) < self.limit.window_stream_s:
-            self._peak = max(self._peak, self.active)
+        """A control window ends, once its streams decoded enough to judge the pace by (else it goes
+        on): the limit moves by the pace measured in it. None while it goes on."""
+        if not self.limit.enough(self.meter.decoded_s(now)):
             if not self.meter.decoding_now:
-                self.limit.pace = None  # idle: no pace to show (an old one would hold an alert up)
+                self.limit.idle()
             return None
         window = self.meter.take(now)
         self.limit.update(window, self._peak, self.active)

@@ -29,8 +29,8 @@ from .runtime import Runtime
 
 
 class CapacityHeaderMiddleware:
-    """Pure ASGI: CAPACITY_FREE on every response and WebSocket accept, read as it is sent (after the
-    request's own admission)."""
+    """Pure ASGI: CAPACITY_FREE on every response and WebSocket accept past the API-key check, read as
+    it is sent (after the request's own admission)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -131,7 +131,7 @@ class CapacityLimit:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
         self.floor, self.ceiling, self.target_pace = floor, ceiling, target_pace
-        self.window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
+        self._window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
         self.limit = float(min(max(initial, floor), ceiling))
         self.pace: float | None = None  # the last window's
         self._codec_trouble = False
@@ -142,6 +142,14 @@ class CapacityLimit:
         """The whole streams the limit admits."""
         return int(self.limit)
 
+    def enough(self, stream_s: float) -> bool:
+        """Whether a window with this much decoding says enough about the pace (WINDOW_TOKENS' worth)."""
+        return stream_s >= self._window_stream_s
+
+    def idle(self) -> None:
+        """Nothing decodes: no pace to show (an old one would hold an alert up)."""
+        self.pace = None
+
     def codec_trouble(self) -> None:
         """A codec stream failed over (a replica refused, stalled or went away) since the last window."""
         self._codec_trouble = True
@@ -149,8 +157,8 @@ class CapacityLimit:
     def update(self, window: Window, peak_admitted: int, admitted: int) -> float:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
         the limit: demand met it, and every stream past it was refused); `admitted`: now. Returns the
-        new limit. A window with less decoding than window_stream_s changes nothing."""
-        pace = window.pace if window.stream_s >= self.window_stream_s else None
+        new limit. A window without enough decoding changes nothing."""
+        pace = window.pace if self.enough(window.stream_s) else None
         limit = self.limit
         self.pace = pace
         if pace is not None and pace < self.target_pace:

@@ -128,7 +128,7 @@ class LlmServerConfig(Settings):
         return self.max_streams or self.max_num_seqs
 
     @property
-    def pace_target(self) -> float:
+    def resolved_target_pace(self) -> float:
         """target_pace, or its default for the device."""
         if self.target_pace is not None:
             return self.target_pace

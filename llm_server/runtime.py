@@ -80,7 +80,7 @@ class Runtime:
         """A worker's runtime around a started engine and a codec client: metrics, pipeline, admission."""
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
-        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.pace_target)
+        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace)
         admission = AdmissionController(limit, PaceMeter(time.monotonic()))
         metrics.capacity.set_function(lambda: admission.max_streams)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)

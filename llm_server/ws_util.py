@@ -13,7 +13,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from orpheus_common.http import TRY_AGAIN_LATER
 
-from .admission import WORKER
+from .admission import CAPACITY
 from .config import LlmServerConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ async def refuse_when_full(ws: WebSocket, runtime) -> bool:
         return False
     await ws.accept()
     await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.admission.max_streams} concurrent streams")
-    runtime.metrics.refused(WORKER)
+    runtime.metrics.refused(CAPACITY)
     return True
 
 

@@ -110,8 +110,8 @@ class MegaPodConfig(Settings):
 
     def helm_values(self) -> dict[str, object]:
         """This MegaPod as chart values (dotted path -> value)."""
-        return {path: getattr(self, name) for name, paths in self.chart_paths().items() for path in paths
-                if getattr(self, name) is not None}  # None: the tier's own default
+        return {path: value for name, paths in self.chart_paths().items() if (value := getattr(self, name)) is not None
+                for path in paths}  # None: the tier's own default
 
     def replica_flags(self, j: int) -> list[str]:
         """snac-server flags of replica j."""

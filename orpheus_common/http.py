@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 TRY_AGAIN_LATER = 1013  # RFC 6455 close code: the server is overloaded; the client should reconnect later
-# On a worker's every reply and WebSocket handshake: the streams it would admit now, beside the one
+# On a worker's replies and WebSocket handshakes (past its API-key check): the streams it would admit now, beside the one
 # the reply is for (its measured limit less its active streams); the front routes by it.
 CAPACITY_FREE = "x-capacity-free"
 

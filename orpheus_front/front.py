@@ -40,7 +40,8 @@ from orpheus_common.settings import Settings
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
+# Reply headers a worker sends that stop here: hop-by-hop ones, and its free capacity (the front's to read).
+_NOT_RELAYED = {"content-length", "transfer-encoding", "connection", "keep-alive", CAPACITY_FREE}
 # Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
 _PASSED_HEADERS = ("authorization", "x-api-key", "x-request-id")
 POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection, then gets a 503
@@ -377,7 +378,7 @@ async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], scope: a
 
 
 def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge) -> StreamingResponse:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS and k.lower() != CAPACITY_FREE}
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
     headers["x-megapod-worker"] = url
     active.labels(url).inc()  # the pool's slot was taken before the request went out
 

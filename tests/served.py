@@ -114,35 +114,25 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
     engine = engine or ScriptedEngineDouble()
     runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble())
     app = create_app(config, runtime)
+    async with serve_app(app, sndbuf, log_level="info", timeout_graceful_shutdown=2) as port:
+        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine, app)
+
+
+@asynccontextmanager
+async def serve_app(app, sndbuf: int = 0, **config):
+    """Any ASGI app served by uvicorn (`config`: more of its settings) on a free loopback port, in this
+    event loop: yields the port."""
     sock = socket.socket()
     if sndbuf:  # inherited by accepted connections: a small send buffer, no autotuning
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     sock.setblocking(False)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, **config))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         assert not task.done(), "uvicorn did not start"
         await asyncio.sleep(0.01)
-    port = sock.getsockname()[1]
-    try:
-        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine, app)
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
-@asynccontextmanager
-async def serve_app(app):
-    """Any ASGI app served by uvicorn on a free loopback port, in this event loop: yields the port."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.02)
     try:
         yield sock.getsockname()[1]
     finally:

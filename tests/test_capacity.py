@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from llm_server.admission import KEY, WORKER, AdmissionController
+from llm_server.admission import CAPACITY, KEY, AdmissionController
 from llm_server.capacity import (
     CODEC_HOLD_WINDOWS,
     REALTIME_TOKENS_PER_S,
@@ -91,7 +91,8 @@ def test_without_demand_at_the_limit_it_does_not_grow():
 
 def test_a_window_with_too_little_decoding_changes_nothing():
     limit = CapacityLimit(initial=16, floor=1, ceiling=64, target_pace=TARGET)
-    limit.update(Window(1.0, limit.window_stream_s / 2, 90, 1), peak_admitted=16, admitted=16)  # too little to judge
+    assert not limit.enough(1.0)
+    limit.update(Window(1.0, 1.0, 90, 1), peak_admitted=16, admitted=16)  # too little to judge
     assert limit.limit == 16 and limit.pace is None
 
 
@@ -147,12 +148,12 @@ def test_admission_refuses_at_the_limit_and_a_limit_in_use_grows():
     admission = AdmissionController(CapacityLimit(initial=2, floor=1, ceiling=64, target_pace=TARGET), PaceMeter(0.0))
     assert admission.admit() is None and admission.admit("k", key_limit=1) is None
     assert admission.admit("k", key_limit=1) == KEY, "the key's own cap first"
-    assert admission.admit() == WORKER and admission.free == 0
+    assert admission.admit() == CAPACITY and admission.free == 0
     for t in (0.0, 0.0):
         admission.meter.started(t)
     admission.meter.tokens(round(2 * 1.0 * REALTIME_TOKENS_PER_S * 3))  # two streams, 1 s, 3 x real time
     assert admission.end_window(0.5) is None, "1 stream-second: too little, the window goes on"
-    admission.end_window(1.0)  # 2 stream-seconds (window_stream_s: 1.97), pace 3.0: room, the limit in use
+    admission.end_window(1.0)  # 2 stream-seconds (enough: 1.97 at 1.05), pace 3.0: room, the limit in use
     assert admission.max_streams == 3 and admission.free == 1
     admission.release("k")
     assert admission.active == 1 and admission.active_per_key == {}
