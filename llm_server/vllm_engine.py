@@ -18,6 +18,7 @@ from .config import LlmServerConfig
 from .engine import EngineError, Sampling
 from .engine_probe import WORKER_EXTENSION
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
+from .model_source import TINY
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +28,36 @@ log = logging.getLogger(__name__)
 STREAM_INTERVAL = CODES_PER_FRAME
 
 
+def engine_dtype(config: LlmServerConfig) -> str:
+    """The tiny checkpoint is float32 and runs so: vLLM's `auto` would downcast it to bfloat16, whose CPU
+    matmul without AVX-512 BF16 is the slow path it is float32 to avoid (benchmarks/engine_step_cpu.py)."""
+    return "float32" if config.dtype == "auto" and config.model == TINY else config.dtype
+
+
+def _cpu_environment(config: LlmServerConfig) -> None:
+    """vLLM's CPU backend reads these from the environment; an operator's own values win.
+
+    Its default thread binding (`auto`) pins each engine's worker process to the first NUMA node's cores
+    but one, the same cores for every engine on the host: `megapod up`'s workers and the tests' engines
+    all queued on core 0 of a two-core machine (a worker's start took minutes beside two others'). Unbound,
+    with one intra-op thread (the codec replica's rule too), the OS spreads them."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(config.cpu_kv_cache_gb))))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def engine_args(config: LlmServerConfig, model_dir: str):
     """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     device = config.resolved_device
-    if device == "cpu":  # vLLM's CPU backend sizes its KV cache from this variable
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(config.cpu_kv_cache_gb))))
+    if device == "cpu":
+        _cpu_environment(config)
     return AsyncEngineArgs(
         model=model_dir,
         tokenizer=config.tokenizer or model_dir,
-        dtype=config.dtype,
+        dtype=engine_dtype(config),
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         gpu_memory_utilization=config.gpu_memory_utilization,

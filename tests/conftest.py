@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +61,6 @@ async def stub(snac_server):
         yield codec_pb2_grpc.SnacCodecStub(ch)
 
 
-@pytest.fixture
-def image_build(request: pytest.FixtureRequest) -> tuple[subprocess.Popen, Path]:
-    """The background build phase pytest_collection_finish started, and its folder."""
-    return request.config.stash[IMAGE_BUILD]
-
-
 @pytest.fixture(scope="session")
 def megapod(tmp_path_factory):
     """`megapod up` with 2 workers (8 streams each) and 2 codec replicas, as a user runs it: started once
@@ -100,46 +96,105 @@ def worker_stack(tmp_path_factory):
 
 
 STOPPERS = ("stops_the_megapod", "stops_the_worker")
+# Tests that share a session's stack run in one pytest-xdist worker (`make test` runs two, --dist loadgroup),
+# so each stack starts once; every other test runs with the rest of its module, whose module-scoped
+# fixtures (a doctor run, a codec server) would otherwise start once per worker.
+SHARED_STACKS = ("megapod", "worker_stack")
+# The longest groups first (each a few minutes on two cores), so that neither worker is left with one at
+# the end while the other idles; then the rest in file order, the image test last (it waits for its build).
+LONGEST_FIRST = ("megapod", "worker_stack", "tests/test_soak_benchmark.py", "tests/test_doctor.py",
+                 "tests/test_serving_cpu_benchmark.py", "tests/test_gpu_kit.py", "tests/test_vllm_engine.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "stops_the_megapod: ends the session's `megapod up`, so it runs after every other test")
-    config.addinivalue_line("markers", "stops_the_worker: ends the session's worker_stack, so it runs after every other test")
+    config.addinivalue_line("markers", "stops_the_megapod: ends the session's `megapod up`, so it runs after every other test of it")
+    config.addinivalue_line("markers", "stops_the_worker: ends the session's worker_stack, so it runs after every other test of it")
     config.addinivalue_line("markers", "builds_the_images: waits for the images built in the background; runs last")
+    if _starts_the_image_build(config):
+        # The build's folder is known before xdist starts its workers, which inherit the environment.
+        os.environ[IMAGE_BUILD_DIR] = tempfile.mkdtemp(prefix="megapod-images-")
+
+
+def _group(item: pytest.Item) -> str:
+    stack = next((name for name in SHARED_STACKS if name in getattr(item, "fixturenames", ())), None)
+    return stack or item.nodeid.split("::")[0]
+
+
+def _order(item: pytest.Item) -> tuple[bool, int, bool]:
+    group = _group(item)
+    return (item.get_closest_marker("builds_the_images") is not None,
+            LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST),
+            any(item.get_closest_marker(m) for m in STOPPERS))
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each test's xdist group, given as it is collected: before xdist's own hook reads it."""
+    item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that end a session's stack run after every other test, and the image test after them: its
-    images build in the background meanwhile (pytest_collection_finish)."""
-    items.sort(key=lambda item: (item.get_closest_marker("builds_the_images") is not None,
-                                 any(item.get_closest_marker(m) for m in STOPPERS)))  # stable: order kept
+    """Groups run longest first; a test that ends a shared stack runs after every other test of that
+    stack, the image test after all: its images build meanwhile."""
+    items.sort(key=_order)  # stable: file order otherwise
 
 
-IMAGE_BUILD = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+# The image test's build phase (deploy/images/build_and_run.py --phase build) runs in the background from
+# the moment the tests are collected, its build steps held to half a CPU: minutes of pip and layer work
+# overlap the other tests instead of following them. The process that started pytest owns it (under
+# xdist, the controller); it writes the build's exit status to BUILD_RC in IMAGE_BUILD_DIR, which the
+# test, in whichever worker, waits for before it runs the containers.
+IMAGE_BUILD_DIR = "MEGAPOD_TEST_IMAGE_BUILD_DIR"
+BUILD_RC = "build.rc"
+IMAGE_BUILD = pytest.StashKey[subprocess.Popen]()
+IMAGE_TEST = "test_images_run.py::"
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """The image test's build phase (deploy/images/build_and_run.py --phase build) starts now, in the
-    background, its build steps held to half a CPU: minutes of pip and layer work overlap the other
-    tests instead of following them. The test waits for it, then runs the containers."""
-    if not any(item.get_closest_marker("builds_the_images") for item in session.items):
+def _starts_the_image_build(config: pytest.Config) -> bool:
+    """Only the controller (or a run without xdist) builds, and only where `make test` opted in."""
+    return os.environ.get("MEGAPOD_TEST_IMAGES") == "1" and not hasattr(config, "workerinput")
+
+
+@pytest.fixture
+def image_build() -> Path:
+    """The folder of the background build phase, once that phase has ended (its status in BUILD_RC)."""
+    work = Path(os.environ[IMAGE_BUILD_DIR])
+    deadline = time.monotonic() + 5400
+    while not (work / BUILD_RC).exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    assert (work / BUILD_RC).exists(), f"the background image build did not end within 90 minutes: {work / 'build.log'}"
+    return work
+
+
+def _start_image_build(config: pytest.Config, nodeids: list[str]) -> None:
+    if not _starts_the_image_build(config) or IMAGE_BUILD in config.stash:
         return
-    if os.environ.get("MEGAPOD_TEST_IMAGES") != "1":
+    if not any(IMAGE_TEST in nodeid for nodeid in nodeids):
         return
-    work = Path(tempfile.mkdtemp(prefix="megapod-images-"))
+    work = Path(os.environ[IMAGE_BUILD_DIR])
     script = Path(__file__).resolve().parent.parent / "deploy" / "images" / "build_and_run.py"
     with open(work / "build.log", "w") as log:
         proc = subprocess.Popen([sys.executable, str(script), "--phase", "build", "--build-cpus", "0.5",
                                  "--result", str(work / "result-cpu.json")], stdout=log, stderr=subprocess.STDOUT)
-    session.config.stash[IMAGE_BUILD] = (proc, work)
+    config.stash[IMAGE_BUILD] = proc
+    threading.Thread(target=lambda: (work / BUILD_RC).write_text(str(proc.wait())), daemon=True).start()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _start_image_build(session.config, [item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown when it is not installed
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """Under xdist the controller collects nothing: a worker's collection says whether the image test runs."""
+    _start_image_build(node.config, ids)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A build the session did not wait for (the image test deselected, failed early, interrupted) stops with it."""
     build = session.config.stash.get(IMAGE_BUILD, None)
-    if build and build[0].poll() is None:
-        build[0].terminate()  # the script unwinds on SIGTERM: no container is left
+    if build and build.poll() is None:
+        build.terminate()  # the script unwinds on SIGTERM: no container is left
         try:
-            build[0].wait(timeout=120)
+            build.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            build[0].kill()
+            build.kill()

@@ -6,7 +6,7 @@ on loopback, speaks through the front with `megapod say` and the openai SDK, and
 
 `make test` runs it (it installs podman and sets MEGAPOD_TEST_IMAGES=1): the build phase starts in the
 background when the tests are collected, its steps held to half a CPU, and this test, last, waits for
-it, then runs the containers (tests/conftest.py). A cold build took 6.7 min alone on two cores, 2-4
+it, then runs the containers (tests/conftest.py; under pytest-xdist the controller builds). A cold build took 6.7 min alone on two cores, 2-4
 min with the layers cached (deploy/README.md, "Building and running the images here"). A plain
 `pytest` skips it, since it needs a container engine and about 1 GB of wheels.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import BUILD_RC
+
 from megapod.render import REPO
 
 SCRIPT = REPO / "deploy" / "images" / "build_and_run.py"
@@ -34,10 +36,10 @@ opt_in = pytest.mark.skipif(
 @opt_in
 @pytest.mark.builds_the_images
 @pytest.mark.timeout(7200)
-def test_the_images_build_and_the_stack_speaks_from_them(image_build) -> None:
-    build, work = image_build
+def test_the_images_build_and_the_stack_speaks_from_them(image_build: Path) -> None:
+    work = image_build
     result_path = work / "result-cpu.json"
-    assert build.wait(timeout=5400) == 0, (work / "build.log").read_text()[-4000:]  # the background build phase
+    assert (work / BUILD_RC).read_text() == "0", (work / "build.log").read_text()[-4000:]  # the background build phase
     proc = subprocess.run([sys.executable, str(SCRIPT), "--phase", "run", "--result", str(result_path)],
                           check=False, capture_output=True, text=True, timeout=1800)
     result = json.loads(result_path.read_text())

@@ -1,0 +1,53 @@
+"""Where the backbone comes from: the generated `tiny` checkpoint, written once however many start at once."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from llm_server.model_source import generate_tiny
+
+
+def test_a_second_writer_of_the_tiny_checkpoint_keeps_the_first(tmp_path):
+    """Two workers starting on a fresh cache both generate `tiny`; the one that renames second found the
+    folder taken (OSError: directory not empty) and its worker died. Now it keeps the first and tidies up."""
+    target = tmp_path / "tiny-orpheus-v2"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"written_by": "the other worker"}))
+    generate_tiny(target)
+    assert json.loads((target / "config.json").read_text()) == {"written_by": "the other worker"}
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-orpheus-v2"]  # no tmp folder left behind
+
+
+def _unset(monkeypatch, *names: str) -> None:
+    for name in names:  # set, then deleted: the test's end restores each as it was
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_the_tiny_checkpoint_runs_in_float32_unless_asked_otherwise(monkeypatch):
+    """vLLM's `auto` downcasts a float32 checkpoint to bfloat16 (its log: "Downcasting torch.float32 to
+    torch.bfloat16"), the CPU's slow matmul; the tiny one asks for float32, other models keep `auto`."""
+    from llm_server.config import LlmServerConfig
+    from llm_server.vllm_engine import engine_args
+
+    _unset(monkeypatch, "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+    assert engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny").dtype == "float32"
+    assert engine_args(LlmServerConfig(model="tiny", device="cpu", dtype="bfloat16"), "/models/tiny").dtype == "bfloat16"
+    assert engine_args(LlmServerConfig(model="canopylabs/orpheus-3b-0.1-ft", device="cpu"), "/models/3b").dtype == "auto"
+
+
+def test_cpu_engines_leave_thread_placement_to_the_os_unless_the_operator_binds(monkeypatch):
+    """vLLM's CPU default pins every engine's worker to the same cores (core 0 of a two-core machine for
+    each of them); unset, the worker gets no binding and one thread; an operator's binding stays."""
+    from llm_server.config import LlmServerConfig
+    from llm_server.vllm_engine import engine_args
+
+    _unset(monkeypatch, "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+    engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny")
+    assert (os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) == ("nobind", "1")
+
+    _unset(monkeypatch, "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny")
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "OMP_NUM_THREADS" not in os.environ
