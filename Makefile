@@ -44,7 +44,8 @@ serve: $(STAMP)
 # MEGAPOD_TEST_IMAGES=1: the suite also builds the CPU images and the front's and runs the stack from them
 # (tests/test_images_run.py; about 7 minutes cold on two cores, 2 to 4 when the layers are cached).
 # -n 2 --dist loadgroup: two pytest-xdist workers; the tests of a shared stack or of one module stay in one,
-# longest groups first (tests/conftest.py gives the groups and their order; --no-loadscope-reorder keeps it). --durations: where the time goes, in every run's log.
+# longest groups first (tests/conftest.py gives the groups and their order; --no-loadscope-reorder keeps it).
+# --durations: where the time goes, in every run's log.
 test: $(STAMP) $(CLIENTS_STAMP) $(ENGINE_STAMP)
 	MEGAPOD_TEST_IMAGES=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=30
 

@@ -176,7 +176,14 @@ def _start_image_build(config: pytest.Config, nodeids: list[str]) -> None:
         proc = subprocess.Popen([sys.executable, str(script), "--phase", "build", "--build-cpus", "0.5",
                                  "--result", str(work / "result-cpu.json")], stdout=log, stderr=subprocess.STDOUT)
     config.stash[IMAGE_BUILD] = proc
-    threading.Thread(target=lambda: (work / BUILD_RC).write_text(str(proc.wait())), daemon=True).start()
+    threading.Thread(target=_record_status, args=(proc, work), daemon=True).start()
+
+
+def _record_status(proc: subprocess.Popen, work: Path) -> None:
+    """BUILD_RC once the build ends, written whole (renamed into place): the test waits for it to exist."""
+    written = work / f"{BUILD_RC}.tmp"
+    written.write_text(str(proc.wait()))
+    written.replace(work / BUILD_RC)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
