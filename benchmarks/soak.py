@@ -455,6 +455,7 @@ async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, b
                         if s["bytes"] else None} for s in streams]}
     if flooded:
         out["flood"] = {"requests": len(knocks), "statuses": Counter(str(k.status) for k in knocks),
+                        "errors": sorted({k.error for k in knocks if k.error}),
                         "latency_s": percentiles([k.latency_s for k in knocks], (50, 95, 100), 4),
                         "health_latency_s": percentiles(pings, (50, 95, 100), 4)}
     return out
@@ -606,7 +607,8 @@ def judge(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
         bad = {k: v for k, v in result["overload"]["flood_statuses"].items() if k not in ("429", "200")}
         streams = [s["status"] for x in result["overload"]["runs"] for s in x["streams"]]
         if bad or any(st != 200 for st in streams):
-            why.append(f"--overload: flood got {bad}, admitted streams got {streams}")
+            errors = sorted({e for x in result["overload"]["runs"] if x["flooded"] for e in x["flood"]["errors"]})
+            why.append(f"--overload: flood got {bad} {errors}, admitted streams got {streams}")
     return why
 
 

@@ -40,11 +40,18 @@ def _cpu_environment(config: LlmServerConfig) -> None:
     Its default thread binding (`auto`) pins each engine's worker process to the first NUMA node's cores
     but one, the same cores for every engine on the host: `megapod up`'s workers and the tests' engines
     all queued on core 0 of a two-core machine (a worker's start took minutes beside two others'). Unbound,
-    with one intra-op thread (the codec replica's rule too), the OS spreads them."""
+    with one intra-op thread (the codec replica's rule too), the OS spreads them.
+
+    Unbound, the model also runs inside the EngineCore process, as on a GPU: the CPU backend moves it to a
+    process of its own (the `mp` executor, for its binding) unless V1 multiprocessing is off, which for
+    AsyncLLM changes only that. That process costs a vLLM import per start, and EngineCore's queue to it
+    spins on sched_yield for a second after every message (47% of a decoding engine's CPU samples).
+    AsyncLLM keeps EngineCore in its own process either way."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(config.cpu_kv_cache_gb))))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def engine_args(config: LlmServerConfig, model_dir: str):

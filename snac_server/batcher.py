@@ -184,6 +184,8 @@ class MicroBatcher:
         started = time.perf_counter()
         for job in jobs:
             self._metrics.queue_wait.observe(started - job.enqueued)
+        frames = sum(len(j.row.codes) if isinstance(j.row, StreamStep) else len(j.row.frames) for j in jobs)
+        self._metrics.count_step(len(jobs), frames)
         done: set[int] = set()
 
         def publish(indices: list[int], pcms: list[np.ndarray]) -> None:
@@ -197,8 +199,7 @@ class MicroBatcher:
             for i, job in enumerate(jobs):
                 if i not in done:
                     self._decode_alone(job)
-        frames = sum(len(j.row.codes) if isinstance(j.row, StreamStep) else len(j.row.frames) for j in jobs)
-        self._metrics.observe_step(len(jobs), frames, started)
+        self._metrics.step_latency.observe(time.perf_counter() - started)
 
     def _decode_alone(self, job: DecodeJob) -> None:
         try:

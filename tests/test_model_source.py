@@ -39,15 +39,17 @@ def test_the_tiny_checkpoint_runs_in_float32_unless_asked_otherwise(monkeypatch)
 
 def test_cpu_engines_leave_thread_placement_to_the_os_unless_the_operator_binds(monkeypatch):
     """vLLM's CPU default pins every engine's worker to the same cores (core 0 of a two-core machine for
-    each of them); unset, the worker gets no binding and one thread; an operator's binding stays."""
+    each of them); unset, the worker gets no binding, one thread and no process of its own (its queue
+    spins); an operator's binding stays, with the process vLLM binds it in."""
     from llm_server.config import LlmServerConfig
     from llm_server.vllm_engine import engine_args
 
-    _unset(monkeypatch, "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+    placement = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    _unset(monkeypatch, "VLLM_CPU_KVCACHE_SPACE", *placement)
     engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny")
-    assert (os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"]) == ("nobind", "1")
+    assert tuple(os.environ[name] for name in placement) == ("nobind", "1", "0")
 
-    _unset(monkeypatch, "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+    _unset(monkeypatch, *placement)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny")
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "OMP_NUM_THREADS" not in os.environ
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and not {"OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING"} & set(os.environ)

@@ -144,3 +144,28 @@ def test_on_a_gpu_no_graph_holds_more_frames_than_a_full_step_of_one_frame_rows(
     assert runner.max_step_frames == 256 and set(ladders) == {1, 2, 4, 8, 16}
     assert {n: max(sizes) for n, sizes in ladders.items()} == {1: 256, 2: 128, 4: 64, 8: 32, 16: 16}
     assert max(n * max(sizes) for n, sizes in ladders.items()) == 256
+
+
+async def test_a_steps_frames_are_counted_before_its_audio_is_handed_back(decoder):
+    """A client holding its audio finds the frames counted: CI once read the counter as its stream
+    ended and missed the last step, which was counted only after the hand-back."""
+    runner = runner_of(decoder, StreamingDecoder(decoder, num_slots=16))
+    step_may_return = threading.Event()
+    decode = runner.decode
+
+    def decode_then_hold(rows, publish):  # the decode thread, late after handing back: a busy machine's timing
+        decode(rows, publish)
+        step_may_return.wait(timeout=30)
+
+    runner.decode = decode_then_hold
+    metrics = SnacMetrics()
+    batcher = MicroBatcher(runner, max_batch=8, max_wait_s=0.0, metrics=metrics)
+    batcher.start()
+    batcher.wait_ready()
+    try:
+        pcm = await batcher.submit(steps(1, 3)[0])
+        counted = metrics.registry.get_sample_value("snac_decoded_frames_total")
+    finally:
+        step_may_return.set()
+        batcher.stop()
+    assert pcm.shape == (3 * 2048,) and counted == 3

@@ -13,13 +13,15 @@ import httpx
 
 @dataclass
 class Knock:
-    """One over-cap request: its status (the exception's name when no answer came), the time to its
-    response headers, and a refusal's headers and body (an admitted stream's body is not read)."""
+    """One over-cap request: its status (the exception's name when no answer came, its message and
+    cause in `error`), the time to its response headers, and a refusal's headers and body (an
+    admitted stream's body is not read)."""
 
     status: int | str
     latency_s: float
     headers: httpx.Headers | None = None
     body: bytes = b""
+    error: str = ""
 
 
 def knock_body(k: int) -> dict:
@@ -35,7 +37,7 @@ async def knock(client: httpx.AsyncClient, url: str, body: dict) -> Knock:
             content = await reply.aread() if reply.status_code != 200 else b""
             return Knock(reply.status_code, latency, reply.headers, content)
     except httpx.HTTPError as exc:
-        return Knock(type(exc).__name__, time.perf_counter() - t0)
+        return Knock(type(exc).__name__, time.perf_counter() - t0, error=f"{exc!r} from {exc.__cause__!r}")
 
 
 async def flood(
