@@ -54,9 +54,8 @@ from concurrency_bench.stack import cpu_seconds, gauge
 from provenance import record
 
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
-from llm_server.audio_tokens import END_OF_SPEECH, code_to_token
+from llm_server.audio_tokens import END_OF_SPEECH, STREAM_INTERVAL, code_to_token
 from llm_server.capacity import REALTIME_TOKENS_PER_S
-from llm_server.vllm_engine import STREAM_INTERVAL
 from megapod.launcher import Child, free_block, free_ports
 from snac_server.session import StreamStep
 

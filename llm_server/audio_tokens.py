@@ -12,6 +12,10 @@ import numpy as np
 
 AUDIO_TOKEN_BASE = 128266
 CODES_PER_FRAME = 7
+# Tokens per output the engine hands the worker (vLLM's SamplingParams.stream_interval; the first and
+# the last come at once): a frame's worth, so the worker wakes once a frame instead of once a token.
+# Outputs then end one token past each frame, so a frame reaches the codec one step (12 ms on a GPU) later.
+STREAM_INTERVAL = CODES_PER_FRAME
 CODEBOOK_SIZE = 4096
 START_OF_HUMAN = 128259
 BEGIN_OF_TEXT = 128000

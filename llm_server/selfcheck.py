@@ -198,7 +198,7 @@ async def constraint_check(engine: VllmEngine, prompt: list[int], streams: int, 
 
 async def step_time_ms(engine: VllmEngine, prompt: list[int], batch: int, tokens: int) -> float:
     """Time per token of a stream while all `batch` streams decode together (the median over streams).
-    Tokens arrive a frame at a time (STREAM_INTERVAL), so it is a span over the tokens it brought."""
+    Tokens arrive a frame at a time (audio_tokens.STREAM_INTERVAL), so it is a span over the tokens it brought."""
     runs = await asyncio.gather(*(
         _stream(engine, prompt, Sampling(max_tokens=tokens, seed=1000 + i), f"doctor-step-{batch}-{i}") for i in range(batch)))
     start = max(times[0] for _, times in runs if times)  # every stream is past its prefill

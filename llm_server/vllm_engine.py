@@ -13,7 +13,7 @@ import os
 from collections.abc import AsyncIterator
 
 from .attention import attention_config
-from .audio_tokens import CODES_PER_FRAME, STOP_TOKEN_IDS
+from .audio_tokens import STOP_TOKEN_IDS, STREAM_INTERVAL
 from .config import LlmServerConfig
 from .engine import EngineError, Sampling
 from .engine_probe import WORKER_EXTENSION
@@ -22,10 +22,6 @@ from .model_source import TINY
 
 log = logging.getLogger(__name__)
 
-# Tokens per output vLLM hands us (SamplingParams.stream_interval; the first and the last come at
-# once): a frame's worth, so the worker wakes once a frame instead of once a token. Outputs then
-# end one token past each frame, so a frame reaches the codec one step (12 ms on a GPU) later.
-STREAM_INTERVAL = CODES_PER_FRAME
 
 
 def engine_dtype(config: LlmServerConfig) -> str:

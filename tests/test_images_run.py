@@ -137,34 +137,45 @@ class EngineDouble:
 
     name = "podman"
 
-    def __init__(self, root: Path) -> None:
-        self.root, self.calls = root, []
+    def __init__(self, root: Path, prune_error: str = "") -> None:
+        self.root, self.calls, self.prune_error = root, [], prune_error
 
     def storage_root(self) -> Path:
         return self.root
 
-    def __call__(self, *args: str, **kw) -> None:
+    def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
         self.calls.append(args)
+        if self.prune_error and kw.get("check", True):
+            raise AssertionError("a prune that can fail must not be checked: its failure would end the build")
+        return subprocess.CompletedProcess(args, 125 if self.prune_error else 0, "", self.prune_error)
 
 
-@pytest.mark.parametrize("free_before, free_after, pruned, fails", [
-    (64.0, None, False, False),  # room: the layer cache stays
-    (9.0, 40.0, True, False),    # short: earlier builds' untagged images go, then there is room
-    (9.0, 12.0, True, True),     # still short: a clear failure before a build fills the disk
-])
-def test_a_build_starts_only_with_room_for_it(tmp_path, monkeypatch, free_before, free_after, pruned, fails) -> None:
+HELD = "Error: image used by 361972a15186: image is in use by a container: consider listing external containers"
+
+
+@pytest.mark.parametrize("free_before, free_after, prune_error, fails", [
+    (64.0, None, "", False),    # room: the layer cache stays
+    (9.0, 40.0, "", False),     # short: earlier builds' untagged images go, then there is room
+    (9.0, 12.0, "", True),      # still short: a clear failure before a build fills the disk
+    (9.0, 40.0, HELD, False),   # an interrupted build's container holds one image: the prune fails, the rest went
+    (9.0, 12.0, HELD, True),    # ... and if that was not enough, the failure says where to look
+], ids=["room", "pruned", "still-short", "prune-refused", "prune-refused-still-short"])
+def test_a_build_starts_only_with_room_for_it(tmp_path, monkeypatch, free_before, free_after, prune_error, fails) -> None:
     """A cold build filled this machine's disk mid-commit (CI: "storing layer ... read/write on
-    closed pipe") with 13 GB free and ~55 GB held by untagged images of earlier builds."""
+    closed pipe") with 13 GB free and ~55 GB held by untagged images of earlier builds. Later a
+    killed build's leftover container held one image, podman refused the prune, and the build ended there."""
     module = _module()
     readings = iter([free_before, free_after])
     monkeypatch.setattr(module, "_free_gib", lambda path: next(readings))
-    engine, result = EngineDouble(tmp_path), {}
+    engine, result = EngineDouble(tmp_path, prune_error), {}
+    pruned = free_before < 20
     if fails:
-        with pytest.raises(module.Failure, match=r"only 12\.0 GiB free .* needs 20 GiB"):
+        hint = r".*external" if prune_error else ""
+        with pytest.raises(module.Failure, match=rf"only 12\.0 GiB free .* needs 20 GiB{hint}"):
             module.ensure_space(engine, result)
     else:
         module.ensure_space(engine, result)
-        assert result["disk"]["pruned_untagged_images"] is pruned
+        assert result["disk"]["pruned_untagged_images"] is pruned and result["disk"]["prune_refused"] == prune_error
     assert engine.calls == ([("image", "prune", "-f")] if pruned else [])
 
 

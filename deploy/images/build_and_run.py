@@ -186,15 +186,23 @@ def ensure_space(engine: Engine, result: dict) -> None:
     root = engine.storage_root()
     free = _free_gib(root)
     pruned = False
+    refused = ""
     if free < BUILD_SPACE_GIB:
         log(f"{free:.1f} GiB free under {root}, {BUILD_SPACE_GIB:.0f} needed: removing untagged images")
-        engine("image", "prune", "-f", capture=True)
+        prune = engine("image", "prune", "-f", check=False, capture=True)
+        if prune.returncode != 0:
+            # podman refuses the whole prune when one image is held, e.g. by an interrupted build's
+            # leftover container (`podman ps -a --external`): what it did free may still be enough.
+            refused = prune.stderr.strip()
+            log(f"removing untagged images failed ({refused}); going on with what is free")
         pruned, free = True, _free_gib(root)
     result["disk"] = {"storage_root": str(root), "free_gib": round(free, 1), "needed_gib": BUILD_SPACE_GIB,
-                      "pruned_untagged_images": pruned}
+                      "pruned_untagged_images": pruned, "prune_refused": refused}
     if free < BUILD_SPACE_GIB:
+        hint = f"`{engine.name} system prune`" + (", and `podman ps -a --external` for leftover build containers"
+                                                   if refused else "")
         raise Failure(f"only {free:.1f} GiB free under {root} after removing untagged images; a build "
-                      f"needs {BUILD_SPACE_GIB:.0f} GiB: free space there (`{engine.name} system prune`)")
+                      f"needs {BUILD_SPACE_GIB:.0f} GiB: free space there ({hint})")
 
 
 def _free_gib(path: Path) -> float:
