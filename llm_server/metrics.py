@@ -48,6 +48,9 @@ class LlmMetrics:
         self.refusals = Counter("megapod_worker_refusals", "Streams refused at admission, by cause", ["cause"], registry=r)
         self.capacity = Gauge("megapod_worker_capacity_streams", "Streams this worker admits at once now (the "
                               "measured limit, llm_server/capacity.py)", registry=r)
+        # The autoscaler's metric: a fixed active-stream target was wrong wherever the measured limit is not it.
+        self.capacity_used = Gauge("megapod_worker_capacity_used_ratio", "Streams held over the streams admitted at "
+                                   "once now (above 1 while the limit falls below what was admitted)", registry=r)
         self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
                           "(1: exactly real time; NaN: too little decoding to say)", registry=r)
         self.unauthorized = Counter("orpheus_unauthorized_requests", "Requests refused for a missing or unknown API key",

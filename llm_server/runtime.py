@@ -83,6 +83,7 @@ class Runtime:
         limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace)
         admission = AdmissionController(limit, PaceMeter(time.monotonic()))
         metrics.capacity.set_function(lambda: admission.max_streams)
+        metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
         return cls(config, engine, codec, tokenizer, pipeline, admission, metrics)

@@ -84,7 +84,7 @@ RULES = {
     "*.podDisruptionBudget.maxUnavailable": {"anyOf": [{"type": "integer", **AT_LEAST_1},
                                                        {"type": "string", "pattern": "^[0-9]+%$"}]},
     "llm.autoscaling.*Replicas": AT_LEAST_1,
-    "llm.autoscaling.targetActiveStreams": {"type": "number", **POSITIVE},
+    "llm.autoscaling.targetCapacityUsed": {"type": "number", **POSITIVE, "maximum": 1},
     "service.type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
     "service.sessionAffinity": {"enum": ["None", "ClientIP"]},
     "service.externalTrafficPolicy": {"enum": ["Local", "Cluster"]},

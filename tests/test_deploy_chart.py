@@ -510,14 +510,17 @@ def test_pods_run_as_non_root_with_a_read_only_root(render: str) -> None:
         assert container(deployment)["resources"]["requests"]["memory"]
 
 
-def test_autoscaling_on_active_streams() -> None:
+def test_autoscaling_on_the_share_of_measured_capacity_held() -> None:
+    """A fixed active-stream target (12) was stale once each worker measures its own limit."""
     objects = helm_render("h100", OPTIONAL_FEATURES)
     hpa = find(objects, "HorizontalPodAutoscaler", f"{RELEASE}-llm")["spec"]
     assert hpa["scaleTargetRef"]["name"] == llm(objects)["metadata"]["name"]
     assert "replicas" not in llm(objects)["spec"]  # the autoscaler owns it
     assert hpa["maxReplicas"] <= H100.gpus_per_node - H100.snac_gpus()
-    metric = hpa["metrics"][0]["pods"]["metric"]["name"]
-    assert metric in {m.name for m in LlmMetrics(lambda: 0).registry.collect()}
+    (metric,) = hpa["metrics"]
+    assert metric["pods"]["metric"]["name"] == "megapod_worker_capacity_used_ratio"
+    assert metric["pods"]["metric"]["name"] in {m.name for m in LlmMetrics(lambda: 0).registry.collect()}
+    assert 0 < float(metric["pods"]["target"]["averageValue"]) <= 1
 
 
 def test_model_from_a_volume_claim() -> None:

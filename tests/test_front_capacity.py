@@ -106,7 +106,8 @@ async def _until(condition, within_s: float = 60.0) -> None:
 
 async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusals_say_why(snac_server):
     """35 tokens/s a stream (real time is 82): the limit falls under the 4 streams held; a new stream is
-    refused for capacity, counted by cause; the pace gauge says how far behind."""
+    refused for capacity, counted by cause; the pace gauge says how far behind, the used-capacity
+    gauge (the autoscaler's) how far over."""
     engine = ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.2)  # 7 tokens / 0.2 s
     async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4, target_pace=1.05,
                        capacity_window_s=0.25) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
@@ -119,6 +120,8 @@ async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusal
         assert registry.get_sample_value("megapod_worker_refusals_total", {"cause": "capacity"}) >= 1
         assert registry.get_sample_value("megapod_worker_pace_ratio") < 1.0
         assert registry.get_sample_value("megapod_worker_capacity_streams") == admission.max_streams
+        # what the autoscaler reads: past 1 here, as the limit fell below the streams held
+        assert registry.get_sample_value("megapod_worker_capacity_used_ratio") == 4 / admission.max_streams > 1
         for stream in streams:
             stream.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
