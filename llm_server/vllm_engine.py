@@ -42,7 +42,9 @@ def _cpu_environment(config: LlmServerConfig) -> None:
     process of its own (the `mp` executor, for its binding) unless V1 multiprocessing is off, which for
     AsyncLLM changes only that. That process costs a vLLM import per start, and EngineCore's queue to it
     spins on sched_yield for a second after every message (47% of a decoding engine's CPU samples).
-    AsyncLLM keeps EngineCore in its own process either way."""
+    AsyncLLM keeps EngineCore in its own process either way, so vLLM's start-up warning that "the global
+    random seed ... may affect the random state of the Python process that launched vLLM" does not apply
+    here: only the worker seeds (vllm/v1/worker/cpu_worker.py), and it runs in EngineCore."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(config.cpu_kv_cache_gb))))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
