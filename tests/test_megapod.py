@@ -134,14 +134,17 @@ def test_children_share_the_launchers_session_in_groups_of_their_own(megapod):
 
 
 @pytest.mark.stops_the_megapod
-def test_ctrl_c_stops_everything_within_20_s(megapod):
+def test_ctrl_c_stops_everything_without_a_kill(megapod):
+    """Each child drains on SIGTERM and exits by itself; the launcher kills one only past grace + 5 s
+    (MegaPodLauncher.stop), workers then replicas. The bound is that event, not a wall-clock figure
+    (a 20 s one failed beside `stress-ng --cpu 2`, with a load of 14)."""
     text = megapod["log"].read_text()
     children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", text)]
     megapod["proc"].send_signal(signal.SIGINT)
-    started = time.monotonic()
-    megapod["proc"].wait(25)
-    assert time.monotonic() - started < 20
+    megapod["proc"].wait(2 * (15 + 5) + 30)  # the launcher's own worst case (grace_s 15), then its exit
     assert megapod["proc"].returncode == 0
+    log = megapod["log"].read_text()
+    assert "all MegaPod processes stopped" in log and "killing it" not in log
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
