@@ -412,10 +412,12 @@ async def overload(stack: LocalStack, endpoint: Endpoint, corpus: Corpus, n: int
         return round(sum(v) / len(v), 3) if v else None
 
     alone, flooded = mean_rtf(False), mean_rtf(True)
-    statuses = Counter(k for x in runs if x["flooded"] for k in x["flood"]["statuses"].elements())
+    floods = [x["flood"] for x in runs if x["flooded"]]
+    statuses = Counter(k for f in floods for k in f["statuses"].elements())
     return {"rounds": rounds, "burst": burst, "wall_s_per_audio_s_alone": alone, "wall_s_per_audio_s_flooded": flooded,
             "flooded_over_alone": round(flooded / alone, 3) if alone and flooded else None,
-            "flood_statuses": dict(statuses), "runs": runs}
+            "flood_statuses": dict(statuses), "flood_errors": sorted({e for f in floods for e in f["errors"]}),
+            "runs": runs}
 
 
 async def _admitted(endpoint: Endpoint, corpus: Corpus, n: int, flooded: bool, burst: int,
@@ -607,8 +609,7 @@ def judge(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
         bad = {k: v for k, v in result["overload"]["flood_statuses"].items() if k not in ("429", "200")}
         streams = [s["status"] for x in result["overload"]["runs"] for s in x["streams"]]
         if bad or any(st != 200 for st in streams):
-            errors = sorted({e for x in result["overload"]["runs"] if x["flooded"] for e in x["flood"]["errors"]})
-            why.append(f"--overload: flood got {bad} {errors}, admitted streams got {streams}")
+            why.append(f"--overload: flood got {bad} {result['overload']['flood_errors']}, admitted streams got {streams}")
     return why
 
 

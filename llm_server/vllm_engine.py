@@ -23,7 +23,6 @@ from .model_source import TINY
 log = logging.getLogger(__name__)
 
 
-
 def engine_dtype(config: LlmServerConfig) -> str:
     """The tiny checkpoint is float32 and runs so: vLLM's `auto` would downcast it to bfloat16, whose CPU
     matmul without AVX-512 BF16 is the slow path it is float32 to avoid (benchmarks/engine_step_cpu.py)."""

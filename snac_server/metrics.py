@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Buckets around the frame budget (85 ms of audio per frame) and the 50 ms chunk target.

@@ -24,6 +24,7 @@ from processes import scrape
 from llm_server.prompt import token_budget
 
 from megapod.launcher import Child, free_block, free_ports, probe
+from megapod.topology import MegaPodConfig
 
 
 def _wav_samples(data: bytes) -> int:
@@ -141,7 +142,7 @@ def test_ctrl_c_stops_everything_without_a_kill(megapod):
     text = megapod["log"].read_text()
     children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", text)]
     megapod["proc"].send_signal(signal.SIGINT)
-    megapod["proc"].wait(2 * (15 + 5) + 30)  # the launcher's own worst case (grace_s 15), then its exit
+    megapod["proc"].wait(2 * (MegaPodConfig.default("grace_s") + 5) + 30)  # the launcher's own worst case, then its exit
     assert megapod["proc"].returncode == 0
     log = megapod["log"].read_text()
     assert "all MegaPod processes stopped" in log and "killing it" not in log

@@ -1,4 +1,5 @@
-"""Where the backbone comes from: the generated `tiny` checkpoint, written once however many start at once."""
+"""Where the backbone comes from and how the CPU engine runs it: the generated `tiny` checkpoint, written
+once however many start at once, its dtype, and the environment vLLM's CPU backend reads."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def test_a_second_writer_of_the_tiny_checkpoint_keeps_the_first(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-orpheus-v2"]  # no tmp folder left behind
 
 
+# What engine_args sets on CPU (vllm_engine._cpu_environment): restored after each test that calls it.
+CPU_ENVIRONMENT = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
 def _unset(monkeypatch, *names: str) -> None:
     for name in names:  # set, then deleted: the test's end restores each as it was
         monkeypatch.setenv(name, "")
@@ -31,7 +36,7 @@ def test_the_tiny_checkpoint_runs_in_float32_unless_asked_otherwise(monkeypatch)
     from llm_server.config import LlmServerConfig
     from llm_server.vllm_engine import engine_args
 
-    _unset(monkeypatch, "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+    _unset(monkeypatch, *CPU_ENVIRONMENT)
     assert engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny").dtype == "float32"
     assert engine_args(LlmServerConfig(model="tiny", device="cpu", dtype="bfloat16"), "/models/tiny").dtype == "bfloat16"
     assert engine_args(LlmServerConfig(model="canopylabs/orpheus-3b-0.1-ft", device="cpu"), "/models/3b").dtype == "auto"
@@ -44,8 +49,8 @@ def test_cpu_engines_leave_thread_placement_to_the_os_unless_the_operator_binds(
     from llm_server.config import LlmServerConfig
     from llm_server.vllm_engine import engine_args
 
-    placement = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
-    _unset(monkeypatch, "VLLM_CPU_KVCACHE_SPACE", *placement)
+    placement = CPU_ENVIRONMENT[1:]
+    _unset(monkeypatch, *CPU_ENVIRONMENT)
     engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny")
     assert tuple(os.environ[name] for name in placement) == ("nobind", "1", "0")
 
