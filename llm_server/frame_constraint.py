@@ -49,7 +49,9 @@ class _SlotSampler:
 
     Sampling a 4,097-wide slice instead of the 156,940-id vocabulary is what makes top-p and
     repetition penalty affordable on CPU: the processor picks the token and leaves vLLM a
-    one-hot row to take greedily.
+    one-hot row to take greedily. The slice is sampled in NumPy: torch's per-call overhead
+    (sort, multinomial, a generator seeded each step) was 0.7 ms a row, a third of a tiny-model
+    step (benchmarks/README.md, "The CPU engine's step").
     """
 
     outputs: list[int]  # the request's running output ids (vLLM mutates it in place)
@@ -57,8 +59,7 @@ class _SlotSampler:
     top_p: float
     repetition_penalty: float
     seed: int
-    generator: torch.Generator
-    seen: torch.Tensor  # (7 * 4096,) bool: audio ids this request already produced
+    seen: np.ndarray  # (7 * 4096,) bool: audio ids this request already produced
     cursor: int = 0
 
     @classmethod
@@ -66,9 +67,9 @@ class _SlotSampler:
         spec = params.extra_args.get(OPT_IN) if params.extra_args else None
         if not isinstance(spec, dict):
             return None
-        seen = torch.zeros(CODES_PER_FRAME * CODEBOOK_SIZE, dtype=torch.bool)
+        seen = np.zeros(CODES_PER_FRAME * CODEBOOK_SIZE, dtype=bool)
         return cls(outputs, float(spec["temperature"]), float(spec["top_p"]), float(spec["repetition_penalty"]),
-                   int(spec.get("seed") or 0), torch.Generator(), seen)
+                   int(spec.get("seed") or 0), seen)
 
     def choose(self, logits_row: torch.Tensor) -> int:
         """Sample this step's token id from the row's slot slice."""
@@ -76,18 +77,20 @@ class _SlotSampler:
         position = len(self.outputs)
         slot = position % CODES_PER_FRAME
         low = AUDIO_TOKEN_BASE + CODEBOOK_SIZE * slot
-        cand = logits_row[low : low + CODEBOOK_SIZE].float().cpu()
+        cand = np.full(CODEBOOK_SIZE + 1, -np.inf)  # float64: the softmax and its sums without float32 drift
+        cand[:CODEBOOK_SIZE] = logits_row[low : low + CODEBOOK_SIZE].float().cpu().numpy()
+        if slot == 0:
+            cand[CODEBOOK_SIZE] = float(logits_row[END_OF_SPEECH])
         if self.repetition_penalty != 1.0:  # the same rule as vLLM's: shrink seen tokens' logits
+            codes = cand[:CODEBOOK_SIZE]
             seen = self.seen[CODEBOOK_SIZE * slot : CODEBOOK_SIZE * (slot + 1)]
-            cand = torch.where(seen, torch.where(cand > 0, cand / self.repetition_penalty, cand * self.repetition_penalty), cand)
-        eos = logits_row[END_OF_SPEECH].float().cpu().reshape(1) if slot == 0 else torch.full((1,), float("-inf"))
-        cand = torch.cat([cand, eos])
+            codes[seen] = np.where(codes[seen] > 0, codes[seen] / self.repetition_penalty, codes[seen] * self.repetition_penalty)
         if self.temperature <= 0:
             pick = int(cand.argmax())
         else:
-            probs = torch.softmax(cand / self.temperature, dim=0)
-            self.generator.manual_seed(draw_seed(self.seed, position))
-            pick = int(torch.multinomial(_top_p(probs, self.top_p), 1, generator=self.generator))
+            probs = np.exp((cand - cand.max()) / self.temperature)
+            weights = _top_p(probs / probs.sum(), self.top_p)
+            pick = _inverse_cdf(weights, np.random.default_rng(draw_seed(self.seed, position)).random())
         return END_OF_SPEECH if pick == CODEBOOK_SIZE else low + pick
 
     def _see_new_outputs(self) -> None:
@@ -96,19 +99,26 @@ class _SlotSampler:
         for token in self.outputs[self.cursor :]:
             if token < 0:
                 break
-            if token - AUDIO_TOKEN_BASE < self.seen.numel() and token >= AUDIO_TOKEN_BASE:
+            if token - AUDIO_TOKEN_BASE < self.seen.size and token >= AUDIO_TOKEN_BASE:
                 self.seen[token - AUDIO_TOKEN_BASE] = True
             self.cursor += 1
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of candidates whose probability reaches top_p."""
+def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of most probable candidates whose probability reaches top_p (ties
+    with the last one kept are kept too); the rest get weight 0."""
     if top_p >= 1.0:
         return probs
-    sorted_probs, order = probs.sort(descending=True)
-    drop = sorted_probs.cumsum(0) - sorted_probs > top_p
-    sorted_probs[drop] = 0.0
-    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    descending = np.sort(probs)[::-1]
+    before = np.cumsum(descending) - descending  # mass of the more probable candidates: non-decreasing
+    kept = max(1, int(np.searchsorted(before, top_p, side="right")))
+    return np.where(probs >= descending[kept - 1], probs, 0.0)
+
+
+def _inverse_cdf(weights: np.ndarray, uniform: float) -> int:
+    """The index whose cumulative weight first exceeds `uniform` (in [0, 1)) of the total."""
+    cdf = np.cumsum(weights)
+    return min(int(np.searchsorted(cdf, uniform * cdf[-1], side="right")), weights.size - 1)
 
 
 class FrameConstraintV1(V1LogitsProcessor):

@@ -13,7 +13,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 
 from llm_server.audio_tokens import CODES_PER_FRAME, END_OF_SPEECH, slot_range
-from llm_server.frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
+from llm_server.frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2, _inverse_cdf, _SlotSampler, _top_p
 from llm_server.slot_mask import blocked_ids
 from llm_server.trtllm_engine import FrameMask
 from orpheus_common.sync_detector import host_syncs
@@ -152,3 +152,48 @@ def sample_stream(preempt_at: int | None, steps: int = 40) -> list[int]:
 @pytest.mark.parametrize("preempt_at", [1, 10, 23])
 def test_a_seeded_stream_is_the_same_after_preemption(preempt_at):
     assert sample_stream(preempt_at) == sample_stream(None)
+
+
+def test_top_p_keeps_the_smallest_most_probable_set_that_reaches_it():
+    probs = np.array([0.05, 0.5, 0.15, 0.3])
+    assert _top_p(probs, 0.7).nonzero()[0].tolist() == [1, 3]  # 0.5 + 0.3 reach 0.7; 0.5 alone does not
+    assert _top_p(probs, 0.9).nonzero()[0].tolist() == [1, 2, 3]
+    assert _top_p(probs, 0.01).nonzero()[0].tolist() == [1]  # the most probable one always stays
+    assert _top_p(probs, 1.0) is probs
+
+
+def test_the_inverse_cdf_picks_by_weight_and_never_a_zero_weight():
+    weights = np.array([0.0, 1.0, 0.0, 3.0, 0.0])
+    assert [_inverse_cdf(weights, u) for u in (0.0, 0.2499, 0.25, 0.9999)] == [1, 1, 3, 3]
+
+
+def sampler_picks(logits: torch.Tensor, spec: dict, seeds: range, outputs: list[int] | None = None) -> list[int]:
+    picks = []
+    for seed in seeds:
+        sampler = _SlotSampler.create(SamplingParams(extra_args={OPT_IN: {**spec, "seed": seed}}), list(outputs or []))
+        picks.append(sampler.choose(logits))
+    return picks
+
+
+def test_the_slot_sampler_draws_the_nucleus_in_proportion():
+    """Slot 0 with three live codes of probability 0.6, 0.3, 0.1 at temperature 1: top_p 0.8 keeps the
+    first two, drawn 2:1 over 3,000 seeds; the third and every other id never."""
+    logits = torch.full((VOCAB,), -1e4)
+    low, _ = slot_range(0)
+    logits[[low + 5, low + 9, low + 11]] = torch.tensor([0.6, 0.3, 0.1]).log()
+    picks = sampler_picks(logits, {"temperature": 1.0, "top_p": 0.8, "repetition_penalty": 1.0}, range(3000))
+    counts = {token: picks.count(token) for token in set(picks)}
+    assert set(counts) == {low + 5, low + 9}
+    assert abs(counts[low + 5] / len(picks) - 2 / 3) < 0.03
+    assert sampler_picks(logits, {"temperature": 1.0, "top_p": 0.8, "repetition_penalty": 1.0}, range(3000)) == picks  # seeded
+
+
+def test_the_slot_sampler_penalises_what_the_request_already_said():
+    """Two equal codes; the request already produced one, so a penalty of 4 makes the other win every draw."""
+    logits = torch.full((VOCAB,), -1e4)
+    low, _ = slot_range(0)
+    logits[[low + 1, low + 2]] = 20.0  # the said one falls to 5: e**-15 of the other
+    said = [low + 1, *range(slot_range(1)[0], slot_range(1)[0] + 6)]  # one whole frame: the next token is slot 0 again
+    spec = {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 4.0}
+    assert set(sampler_picks(logits, spec, range(200), said)) == {low + 2}
+    assert set(sampler_picks(logits, {**spec, "repetition_penalty": 1.0}, range(200), said)) == {low + 1, low + 2}

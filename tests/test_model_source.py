@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 import os
 
-from llm_server.model_source import generate_tiny
+from llm_server.model_source import TINY_VERSION, generate_tiny
 
 
 def test_a_second_writer_of_the_tiny_checkpoint_keeps_the_first(tmp_path):
     """Two workers starting on a fresh cache both generate `tiny`; the one that renames second found the
     folder taken (OSError: directory not empty) and its worker died. Now it keeps the first and tidies up."""
-    target = tmp_path / "tiny-orpheus-v2"
+    target = tmp_path / TINY_VERSION
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"written_by": "the other worker"}))
     generate_tiny(target)
     assert json.loads((target / "config.json").read_text()) == {"written_by": "the other worker"}
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-orpheus-v2"]  # no tmp folder left behind
+    assert [p.name for p in tmp_path.iterdir()] == [TINY_VERSION]  # no tmp folder left behind
 
 
 # What engine_args sets on CPU (vllm_engine._cpu_environment): restored after each test that calls it.
