@@ -49,6 +49,9 @@ KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
 MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_streams)
+PROBE_EVERY_S = 1.0  # each worker's /ready is probed this often, in the background
+PROBE_TIMEOUT_S = 2.0
+TIMEOUTS_TO_UNREADY = 3  # probes timed out in a row before a worker counts as not ready
 
 
 class FrontConfig(Settings):
@@ -149,6 +152,52 @@ class WorkerPool:
             self._on_forget(url)
 
 
+class WorkerReadiness:
+    """Each worker's readiness as its /ready last said, probed in the background, so the front's own
+    /ready answers at once from it. A refused connection or a 503 is believed at once; a probe that
+    timed out only TIMEOUTS_TO_UNREADY times in a row. A probe answered on demand with a 1 s timeout
+    made the front unready while its worker served 300 streams beside a loaded machine (issue 23); a
+    hung worker is still out within seconds, and routing never waits on this (it tries the next worker).
+    """
+
+    def __init__(self, client: httpx.AsyncClient, every_s: float = PROBE_EVERY_S, timeout_s: float = PROBE_TIMEOUT_S,
+                 timeouts_to_unready: int = TIMEOUTS_TO_UNREADY) -> None:
+        self._client, self.every_s, self.timeout_s, self.timeouts_to_unready = client, every_s, timeout_s, timeouts_to_unready
+        self._ready: dict[str, bool] = {}  # url -> its last verdict; a worker never probed is not ready
+        self._timeouts: dict[str, int] = {}  # url -> probes timed out in a row
+
+    def any_ready(self, urls: Sequence[str]) -> bool:
+        return any(self._ready.get(url, False) for url in urls)
+
+    async def probe(self, urls: Sequence[str]) -> None:
+        """Probe every worker in `urls` at once; forget any other."""
+        await asyncio.gather(*(self._probe(url) for url in urls))
+        for url in set(self._ready) - set(urls):
+            del self._ready[url]
+            self._timeouts.pop(url, None)
+
+    async def run(self, pool: WorkerPool) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self.probe(pool.urls)
+            except Exception:  # a surprise must not freeze every verdict for the pod's life
+                log.exception("probing the workers' readiness failed")
+
+    async def _probe(self, url: str) -> None:
+        try:
+            ready = (await self._client.get(f"{url}/ready", timeout=self.timeout_s)).status_code == 200
+        except httpx.TimeoutException:
+            self._timeouts[url] = self._timeouts.get(url, 0) + 1
+            if self._timeouts[url] >= self.timeouts_to_unready:
+                self._ready[url] = False
+            return
+        except httpx.HTTPError:  # refused, reset: it is not serving
+            ready = False
+        self._timeouts[url] = 0
+        self._ready[url] = ready
+
+
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
@@ -215,6 +264,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0, read=None, pool=POOL_WAIT_S),
                                limits=httpx.Limits(max_connections=max_streams, max_keepalive_connections=KEEPALIVE))
     discovery = DnsWorkers(pool, workers_dns, refresh_s, resolve) if workers_dns else None
+    readiness = WorkerReadiness(client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -222,12 +272,15 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         if discovery is not None:
             await discovery.refresh()  # workers known before the first request
             watching = asyncio.create_task(discovery.run())
+        await readiness.probe(pool.urls)  # /ready is true from the start
+        probing = asyncio.create_task(readiness.run(pool))
         # Its modules and app stay for the process's life: out of the collector's sight, as in the servers.
         gc.collect()
         gc.freeze()
         try:
             yield
         finally:
+            probing.cancel()
             if watching is not None:
                 watching.cancel()
             await client.aclose()
@@ -299,8 +352,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     async def ready() -> Response:
         if app.state.draining:
             return error_response(503, "draining: finishing in-flight streams before exit", code="not_ready")
-        # All workers at once, briefly: one hung worker must not fail every front's probe.
-        if any(await asyncio.gather(*(_ready(client, url) for url in pool.urls))):
+        if readiness.any_ready(pool.urls):
             return JSONResponse({"status": "ready"})
         return error_response(503, "no worker is ready", code="not_ready")
 
@@ -309,13 +361,6 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-async def _ready(client: httpx.AsyncClient, url: str) -> bool:
-    try:
-        return (await client.get(f"{url}/ready", timeout=1.0)).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def _bounded_body(request: Request) -> bytes | None:

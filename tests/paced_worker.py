@@ -3,7 +3,8 @@ silent PCM, one every INTERVAL_S, and /stats says how its streams ended: `whole`
 `cut` (the connection closed before the last), and the most streams it held at once (`peak`). POST /hold
 {"streams": N} makes every stream wait after its first chunk until N are open at once (0: no wait): a
 client's N concurrent streams then end only if all N reached the worker together, whatever the machine's
-speed. Run as `python tests/paced_worker.py PORT`."""
+speed. POST /ready_mode {"hung": true} makes /ready never answer, as a hung worker's (false: answer again);
+/stats counts the /ready requests it got (`probes`). Run as `python tests/paced_worker.py PORT`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from starlette.routing import Route
 
 CHUNKS, INTERVAL_S, CHUNK_BYTES = 30, 0.1, 4800  # 3 s of 24 kHz s16 audio, 0.1 s a chunk
 SPEECH_PATHS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
-stats = {"active": 0, "started": 0, "whole": 0, "cut": 0, "peak": 0}
+stats = {"active": 0, "started": 0, "whole": 0, "cut": 0, "peak": 0, "probes": 0}
+ready_mode = {"hung": False}
 hold = {"streams": 0, "all_open": asyncio.Event()}
 
 
@@ -57,7 +59,15 @@ async def speech(request) -> StreamingResponse:
 
 
 async def ready(request) -> JSONResponse:
+    stats["probes"] += 1
+    if ready_mode["hung"]:
+        await asyncio.Event().wait()  # never answers; its client times out
     return JSONResponse({"status": "ready"})
+
+
+async def set_ready_mode(request) -> JSONResponse:
+    ready_mode["hung"] = bool((await request.json())["hung"])
+    return JSONResponse(ready_mode)
 
 
 async def report(request) -> JSONResponse:
@@ -73,7 +83,7 @@ async def set_hold(request) -> JSONResponse:
 
 app = Starlette(routes=[*(Route(p, speech, methods=["POST"]) for p in SPEECH_PATHS), Route("/ready", ready),
                         Route("/stats", report),
-                        Route("/hold", set_hold, methods=["POST"])])
+                        Route("/hold", set_hold, methods=["POST"]), Route("/ready_mode", set_ready_mode, methods=["POST"])])
 
 if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from orpheus_front.front import KEEPALIVE
+from orpheus_front.front import KEEPALIVE, TIMEOUTS_TO_UNREADY, WorkerReadiness
 from megapod.launcher import Child, free_ports
 from paced_worker import CHUNK_BYTES, CHUNKS, SPEECH_PATHS
 
@@ -121,3 +121,74 @@ async def test_300_concurrent_streams_none_waits_and_ready_answers_throughout(fr
     assert probes and set(probes) == {200}, probes
     cpu_ms = 1000 * (sum(process.cpu_times()[:2]) - cpu_before) / CONCURRENT
     print(f"front CPU per relayed stream ({CHUNKS} chunks): {cpu_ms:.1f} ms")
+
+
+async def test_a_worker_whose_probe_times_out_stays_ready_until_it_has_hung_for_good(front_and_worker):
+    """The front's /ready asked each worker on demand with a 1 s timeout: beside a loaded machine one slow
+    answer made it say 503 while its worker served. Now a timed-out probe counts only TIMEOUTS_TO_UNREADY in
+    a row: through the first ones the front stays ready, then the hung worker is out, and back at its first
+    answer. Judged by the probes the worker received, not by the clock."""
+    _, front_url, worker_url = front_and_worker
+
+    def probes() -> int:
+        return httpx.get(f"{worker_url}/stats").json()["probes"]
+
+    async def front_ready(http: httpx.AsyncClient) -> int:
+        return (await http.get("/ready")).status_code
+
+    async with httpx.AsyncClient(base_url=front_url, timeout=10.0) as http:
+        assert await front_ready(http) == 200
+        httpx.post(f"{worker_url}/ready_mode", json={"hung": True}).raise_for_status()
+        try:
+            first = probes()
+            while probes() < first + TIMEOUTS_TO_UNREADY - 1:  # the probes that may time out without a verdict
+                assert await front_ready(http) == 200
+                await asyncio.sleep(0.1)
+            assert await front_ready(http) == 200
+            async with asyncio.timeout(60):  # a hang guard: the next probe times out within seconds
+                while await front_ready(http) == 200:
+                    await asyncio.sleep(0.2)
+            assert await front_ready(http) == 503
+        finally:
+            httpx.post(f"{worker_url}/ready_mode", json={"hung": False}).raise_for_status()
+        async with asyncio.timeout(60):
+            while await front_ready(http) != 200:
+                await asyncio.sleep(0.2)
+
+
+def _readiness(handler) -> WorkerReadiness:
+    """Probes through an httpx MockTransport (a test double of the workers' /ready answers)."""
+    return WorkerReadiness(httpx.AsyncClient(transport=httpx.MockTransport(handler)), timeout_s=0.1, timeouts_to_unready=3)
+
+
+async def test_a_refusal_or_a_503_is_believed_at_once_a_timeout_only_three_in_a_row():
+    answers = {"http://a": 200, "http://b": 200}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = answers[f"http://{request.url.host}"]
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer)
+
+    readiness = _readiness(handler)
+    assert not readiness.any_ready(["http://a"])  # never probed: not ready
+    await readiness.probe(["http://a", "http://b"])
+    assert readiness.any_ready(["http://a"]) and readiness.any_ready(["http://b"])
+    answers["http://a"] = httpx.ConnectError("refused")
+    answers["http://b"] = 503
+    await readiness.probe(["http://a", "http://b"])
+    assert not readiness.any_ready(["http://a", "http://b"])
+    answers.update({"http://a": 200, "http://b": 200})
+    await readiness.probe(["http://a", "http://b"])
+    answers["http://a"] = httpx.ReadTimeout("slow")
+    for _ in range(2):
+        await readiness.probe(["http://a"])
+        assert readiness.any_ready(["http://a"])
+    answers["http://a"] = 200  # an answer resets the count
+    await readiness.probe(["http://a"])
+    answers["http://a"] = httpx.ReadTimeout("slow")
+    for expected in (True, True, False):
+        await readiness.probe(["http://a"])
+        assert readiness.any_ready(["http://a"]) is expected
+    await readiness.probe(["http://b"])  # a left the pool: forgotten
+    assert not readiness.any_ready(["http://a"]) and readiness.any_ready(["http://b"])
