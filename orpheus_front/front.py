@@ -21,7 +21,7 @@ import itertools
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import anyio
 import httpx
@@ -45,6 +45,11 @@ _NOT_RELAYED = {"content-length", "transfer-encoding", "connection", "keep-alive
 # Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
 _PASSED_HEADERS = ("authorization", "x-api-key", "x-request-id")
 POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection, then gets a 503
+# A worker that vanished without closing (node lost) drops packets: a short connect timeout moves a new
+# stream on to the next worker soon. But a connect also times out when this process gets no CPU for
+# that long (a starved event loop misses the answer): such workers are tried once more, slowly, last.
+CONNECT_S = 2.0
+SLOW_CONNECT_S = 10.0
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
@@ -259,9 +264,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     replied = Counter("megapod_front_replies", "Speech requests by the status the client got (a worker's 429 "
                       "retried on the next worker counts once, as what came of it)", ["status"], registry=registry)
     pool = WorkerPool(worker_urls, on_forget=_forget_series(active, routed))
-    # A short connect timeout: a worker that vanished without closing (node lost) drops packets, and
-    # every new stream would wait out a long one before trying the next worker.
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0, read=None, pool=POOL_WAIT_S),
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=CONNECT_S, read=None, pool=POOL_WAIT_S),
                                limits=httpx.Limits(max_connections=max_streams, max_keepalive_connections=KEEPALIVE))
     discovery = DnsWorkers(pool, workers_dns, refresh_s, resolve) if workers_dns else None
     readiness = WorkerReadiness(client)
@@ -301,11 +304,20 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         at_limit = False
-        for url in pool.order():
+        timed_out: list[str] = []  # workers whose connect timed out: tried again after the others
+        for url, connect_s in _attempts(pool.order(), timed_out):
             if not pool.acquire(url):
                 continue
+            timeout = httpx.Timeout(10.0, connect=connect_s, read=None, pool=POOL_WAIT_S)
             try:
-                upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers), stream=True)
+                upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers,
+                                                                  timeout=timeout), stream=True)
+            except httpx.ConnectTimeout as exc:  # gone without a word, or only slow: the next one, then it again
+                pool.release(url)
+                log.warning("worker %s: no connection within %.0f s: %r", url, connect_s, exc)
+                if connect_s < SLOW_CONNECT_S:
+                    timed_out.append(url)
+                continue
             except httpx.HTTPError as exc:  # refused (a worker that left or is draining): the next one
                 pool.release(url)
                 log.warning("worker %s unreachable: %s", url, exc)
@@ -361,6 +373,16 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _attempts(workers: list[str], timed_out: list[str]) -> Iterator[tuple[str, float]]:
+    """Each worker with the short connect timeout, in order; then each whose connect timed out meanwhile
+    (`timed_out`, filled by the caller as it goes) once more with the long one. A front starved of CPU
+    beside a loaded machine turned a flood's knocks on a reachable worker into 503s this way (issue 23)."""
+    for url in workers:
+        yield url, CONNECT_S
+    for url in timed_out:
+        yield url, SLOW_CONNECT_S
 
 
 async def _bounded_body(request: Request) -> bytes | None:

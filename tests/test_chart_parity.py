@@ -271,6 +271,45 @@ async def test_no_reachable_worker_is_a_503_not_a_full_house() -> None:
     assert reply.json()["error"]["code"] == "not_ready"
 
 
+async def test_a_worker_slow_to_accept_is_tried_again_not_called_unreachable(caplog) -> None:
+    """A connect timed out (2 s) on a worker that was only slow: its accept queue full, as a starved worker's
+    is, or this front starved of CPU past the deadline beside a loaded machine (the soak's flood got 503s). The
+    front now tries such a worker once more with a long timeout before saying none is reachable: the client
+    gets the worker's own answer. The worker starts accepting only once the front logged the timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # the accept queue holds one: with `filler` in it, the front's SYNs are dropped
+    listener.setblocking(False)
+    filler = socket.socket()
+    filler.setblocking(False)
+    filler.connect_ex(listener.getsockname())
+    worker = FastAPI()
+
+    @worker.post("/v1/audio/speech")
+    async def speech() -> Response:
+        return Response(b'{"error": {"code": "rate_limit_exceeded"}}', 429, {"retry-after": "1"}, media_type="application/json")
+
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    app = create_front_app([url])
+    caplog.set_level(logging.WARNING, logger="orpheus_front.front")
+    server = uvicorn.Server(uvicorn.Config(worker, log_config=None))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front", timeout=60) as client:
+            reply = asyncio.create_task(client.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": "tara"}))
+            async with asyncio.timeout(30):  # a hang guard: the front's first connect times out in 2 s
+                while not any("no connection within" in r.getMessage() for r in caplog.records) and not reply.done():
+                    await asyncio.sleep(0.05)
+            serving = asyncio.create_task(server.serve(sockets=[listener]))
+            reply = await reply
+        assert reply.status_code == 429, reply.text  # the worker's answer, not the front's 503
+    finally:
+        server.should_exit = True
+        if "serving" in locals():
+            await serving
+        filler.close()
+        listener.close()
+
+
 # ---------------------------------------------------------------- finding workers by DNS
 
 
