@@ -19,7 +19,7 @@ from starlette.routing import Route
 CHUNKS, INTERVAL_S, CHUNK_BYTES = 30, 0.1, 4800  # 3 s of 24 kHz s16 audio, 0.1 s a chunk
 SPEECH_PATHS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 stats = {"active": 0, "started": 0, "whole": 0, "cut": 0, "peak": 0, "probes": 0}
-ready_mode = {"hung": False}
+ready_mode = {"hung": False, "answer": asyncio.Event()}  # answer: set when hung ends, so no probe is left waiting
 hold = {"streams": 0, "all_open": asyncio.Event()}
 
 
@@ -61,13 +61,17 @@ async def speech(request) -> StreamingResponse:
 async def ready(request) -> JSONResponse:
     stats["probes"] += 1
     if ready_mode["hung"]:
-        await asyncio.Event().wait()  # never answers; its client times out
+        await ready_mode["answer"].wait()  # no answer while hung: its client times out
     return JSONResponse({"status": "ready"})
 
 
 async def set_ready_mode(request) -> JSONResponse:
     ready_mode["hung"] = bool((await request.json())["hung"])
-    return JSONResponse(ready_mode)
+    if ready_mode["hung"]:
+        ready_mode["answer"] = asyncio.Event()
+    else:
+        ready_mode["answer"].set()  # the probes still waiting answer now: none holds the shutdown up
+    return JSONResponse({"hung": ready_mode["hung"]})
 
 
 async def report(request) -> JSONResponse:
