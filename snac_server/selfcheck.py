@@ -44,6 +44,7 @@ from .streaming import OPEN_END, StreamingDecoder, flush_frames
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # max |streamed - full decode| in fp32, the same bound the CPU tests hold
 FRAME_BUCKETS = SnacServerConfig.default("frame_buckets")
+DEFAULT_MODEL = SnacServerConfig.default("model")  # random-24khz: the real architecture at its real cost
 NOT_ON_CPU = "not measured: cpu"
 MIB = 2**20
 
@@ -69,8 +70,8 @@ def _part(checks: dict[str, dict], name: str, fn: Callable[[], dict]) -> bool:
     return bool(checks[name].get("ok"))
 
 
-def _runner(device: str, dtype: str, max_batch: int, buckets: tuple[int, ...]) -> DecoderRunner:
-    decoder = build_decoder("random-24khz", device, dtype, max_batch)
+def _runner(device: str, dtype: str, max_batch: int, buckets: tuple[int, ...], model: str) -> DecoderRunner:
+    decoder = build_decoder(model, device, dtype, max_batch)
     return DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max_batch), max_batch, buckets, cuda_graphs=True)
 
 
@@ -248,11 +249,11 @@ async def _serve_streams(config: SnacServerConfig, streams: int, frames: int) ->
     return [g.audio() for g in got], server.batcher._runner
 
 
-def replica_serves(device: str, streams: int, quick: bool) -> dict[str, object]:
+def replica_serves(device: str, streams: int, quick: bool, model: str = DEFAULT_MODEL) -> dict[str, object]:
     """snac-server's defaults on the device (graphs captured at start-up), `streams` concurrent streams
     one frame a message, each stream's audio against one full decode of its frames."""
     frames = 8 if quick else 24
-    config = SnacServerConfig(host="127.0.0.1", port=0, metrics_port=-1, device=device)
+    config = SnacServerConfig(host="127.0.0.1", port=0, metrics_port=-1, device=device, model=model)
     on_gpu = config.resolved_device.startswith("cuda")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -271,9 +272,9 @@ def replica_serves(device: str, streams: int, quick: bool) -> dict[str, object]:
                       f"gRPC streams; each against one full decode"}
 
 
-def half_precision(device: str, max_batch: int, repeats: int) -> dict[str, object]:
+def half_precision(device: str, max_batch: int, repeats: int, model: str = DEFAULT_MODEL) -> dict[str, object]:
     """bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows)."""
-    runner = _runner(device, "bfloat16", max_batch, (1,))
+    runner = _runner(device, "bfloat16", max_batch, (1,), model)
     found: dict[str, object] = {"snr_db_to_fp32": round(runner.full.snr_db, 1)}
     if not runner.use_graphs:  # CPUs without bf16 units emulate it (~40x slower here): a figure of no use to anyone
         return {**found, "speed": NOT_ON_CPU}
@@ -290,14 +291,15 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def check_codec(device: str, max_batch: int, quick: bool) -> tuple[dict[str, dict], dict[str, object]]:
-    """Every codec check (name -> result with `ok`) and figure, fp32 first, then bf16, then a replica."""
+def check_codec(device: str, max_batch: int, quick: bool, model: str = DEFAULT_MODEL) -> tuple[dict[str, dict], dict[str, object]]:
+    """Every codec check (name -> result with `ok`) and figure of `model` (snac-server's --model: by
+    default the SNAC 24 kHz architecture with random weights), fp32 first, then bf16, then a replica."""
     checks: dict[str, dict] = {}
-    figures: dict[str, object] = {"model": "random-24khz (SNAC 24 kHz architecture)", "max_batch": max_batch}
+    figures: dict[str, object] = {"model": model, "max_batch": max_batch}
     repeats = 3 if device == "cpu" else 20
     runner = None
     try:
-        runner = _runner(device, "float32", max_batch, FRAME_BUCKETS)
+        runner = _runner(device, "float32", max_batch, FRAME_BUCKETS, model)
     except Exception as exc:  # the decoder could not even be built
         checks["codec_warm_up"] = failed(exc)
     if runner is not None and _part(checks, "codec_warm_up", lambda: warm_up(runner)):
@@ -307,8 +309,8 @@ def check_codec(device: str, max_batch: int, quick: bool) -> tuple[dict[str, dic
         figures["float32"] = _run("float32", lambda: speed(runner, repeats))  # a figure: it fails no check
     runner = None
     _free_device_memory()
-    figures["bfloat16"] = _run("bfloat16", lambda: half_precision(device, max_batch, repeats))
+    figures["bfloat16"] = _run("bfloat16", lambda: half_precision(device, max_batch, repeats, model))
     _free_device_memory()
     figures["half_precision_warn_below_db"] = WARN_SNR_DB
-    _part(checks, "codec_replica_serves", lambda: replica_serves(device, 2 if quick else 16, quick))
+    _part(checks, "codec_replica_serves", lambda: replica_serves(device, 2 if quick else 16, quick, model))
     return checks, figures

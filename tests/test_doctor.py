@@ -1,5 +1,6 @@
 """`megapod doctor --device cpu`: every check runs (the same code paths a GPU takes, eager and with the
-tiny model) and lands in the JSON; on CPU the attention comparison says it does not apply."""
+tiny model) and lands in the JSON; on CPU the attention comparison says it does not apply. The codec checked
+is the tests' small one (--snac-model): test_gpu_kit.py runs the codec part on the real architecture."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from processes import TINY_CACHE
+from processes import TEST_CODEC, TINY_CACHE
 
 from llm_server.selfcheck import STEP_BUDGET_MS, realtime_streams
 
@@ -21,7 +22,7 @@ CHECKS = {"codec_warm_up", "codec_graph_equals_eager", "codec_streaming_equals_f
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("doctor") / "doctor.json"
     done = subprocess.run([sys.executable, "-m", "megapod", "doctor", "--device", "cpu", "--quick", "--max-batch", "2", "-o", str(out),
-                           "--cache-dir", TINY_CACHE], capture_output=True, text=True, timeout=900,
+                           "--cache-dir", TINY_CACHE, "--snac-model", TEST_CODEC], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "real-time streams per codec device" in done.stdout
@@ -35,7 +36,9 @@ def test_every_check_ran_and_passed(report):
 
 
 def test_the_codec_part_ran_too(report):
-    """The codec checks' own fields are held by test_gpu_kit.py (the codec-only doctor); here, they ran too."""
+    """The codec checks' own fields are held by test_gpu_kit.py (the codec-only doctor); here, they ran too,
+    on the codec asked for."""
+    assert report["figures"]["codec"]["model"] == TEST_CODEC
     assert report["figures"]["realtime_streams_per_codec_gpu"] == report["figures"]["codec"]["float32"]["streaming"]["realtime_streams"] > 0
 
 

@@ -128,7 +128,7 @@ def test_a_codec_figure_that_failed_is_reported_not_a_crash(monkeypatch):
     from snac_server import selfcheck as codec
 
     error = {"ok": False, "detail": "RuntimeError: CUDA out of memory"}
-    monkeypatch.setattr(codec, "check_codec", lambda device, max_batch, quick: ({"codec_warm_up": {"ok": True}}, {"float32": error}))
+    monkeypatch.setattr(codec, "check_codec", lambda device, max_batch, quick, model: ({"codec_warm_up": {"ok": True}}, {"float32": error}))
     report = doctor.examine("cpu", quick=True, codec_only=True)
     assert report["figures"]["codec"]["float32"] == error and "realtime_streams_per_codec_gpu" not in report["figures"]
     assert doctor.summary(report).startswith("megapod doctor on")

@@ -103,15 +103,15 @@ def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[s
 
 
 def examine(device: str, quick: bool, cache_dir: str | None = None, codec_only: bool = False,
-            max_batch: int | None = None) -> dict[str, object]:
+            max_batch: int | None = None, snac_model: str | None = None) -> dict[str, object]:
     """Every check and figure, as the JSON report."""
-    from snac_server.selfcheck import check_codec
+    from snac_server.selfcheck import DEFAULT_MODEL, check_codec
 
     started = time.perf_counter()
     max_batch = max_batch or (GPU_MAX_BATCH if device.startswith("cuda") else CPU_MAX_BATCH)
     report: dict[str, object] = {"device": _describe(device), "device_type": device, "versions": _versions(),
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "codec_only": codec_only}
-    checks, codec = check_codec(device, max_batch, quick)
+    checks, codec = check_codec(device, max_batch, quick, snac_model or DEFAULT_MODEL)
     figures: dict[str, object] = {"codec": codec}
     if "streaming" in codec.get("float32", {}):  # a figure that failed holds its error instead
         figures["realtime_streams_per_codec_gpu"] = codec["float32"]["streaming"]["realtime_streams"]
@@ -169,11 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help=f"the codec's largest batch: graphs and timings up to it (default {GPU_MAX_BATCH} on GPU, {CPU_MAX_BATCH} on CPU)")
     p.add_argument("--cache-dir", default=None, help="where the tiny model is generated (default: the LLM server's)")
+    p.add_argument("--snac-model", default=None, help="the codec checked, as snac-server's --model takes it: a local dir, "
+                   "a Hugging Face id, random-24khz (default: the real architecture, random weights) or random-24khz-small")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_batch is not None and args.max_batch < 1:
         p.error("--max-batch must be >= 1")
-    report = examine(_device(args.device), args.quick, args.cache_dir, args.codec_only, args.max_batch)
+    report = examine(_device(args.device), args.quick, args.cache_dir, args.codec_only, args.max_batch, args.snac_model)
     args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(summary(report))
     print(f"wrote {args.output}")
