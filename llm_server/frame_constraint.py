@@ -51,7 +51,7 @@ class _SlotSampler:
     repetition penalty affordable on CPU: the processor picks the token and leaves vLLM a
     one-hot row to take greedily. The slice is sampled in NumPy: torch's per-call overhead
     (sort, multinomial, a generator seeded each step) was 0.7 ms a row, a third of a tiny-model
-    step (benchmarks/README.md, "The CPU engine's step").
+    step (benchmarks/README.md, `engine_step_cpu.py`).
     """
 
     outputs: list[int]  # the request's running output ids (vLLM mutates it in place)
@@ -82,9 +82,9 @@ class _SlotSampler:
         if slot == 0:
             cand[CODEBOOK_SIZE] = float(logits_row[END_OF_SPEECH])
         if self.repetition_penalty != 1.0:  # the same rule as vLLM's: shrink seen tokens' logits
-            codes = cand[:CODEBOOK_SIZE]
-            seen = self.seen[CODEBOOK_SIZE * slot : CODEBOOK_SIZE * (slot + 1)]
-            codes[seen] = np.where(codes[seen] > 0, codes[seen] / self.repetition_penalty, codes[seen] * self.repetition_penalty)
+            seen = np.flatnonzero(self.seen[CODEBOOK_SIZE * slot : CODEBOOK_SIZE * (slot + 1)])
+            said = cand[seen]
+            cand[seen] = np.where(said > 0, said / self.repetition_penalty, said * self.repetition_penalty)
         if self.temperature <= 0:
             pick = int(cand.argmax())
         else:

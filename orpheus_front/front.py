@@ -50,6 +50,9 @@ POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection
 # that long (a starved event loop misses the answer): such workers are tried once more, slowly, last.
 CONNECT_S = 2.0
 SLOW_CONNECT_S = 10.0
+# No read timeout: a stream's reply lasts as long as its audio.
+TIMEOUT = httpx.Timeout(10.0, connect=CONNECT_S, read=None, pool=POOL_WAIT_S)
+SLOW_TIMEOUT = httpx.Timeout(10.0, connect=SLOW_CONNECT_S, read=None, pool=POOL_WAIT_S)
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
@@ -167,7 +170,8 @@ class WorkerReadiness:
 
     def __init__(self, client: httpx.AsyncClient, every_s: float = PROBE_EVERY_S, timeout_s: float = PROBE_TIMEOUT_S,
                  timeouts_to_unready: int = TIMEOUTS_TO_UNREADY) -> None:
-        self._client, self.every_s, self.timeout_s, self.timeouts_to_unready = client, every_s, timeout_s, timeouts_to_unready
+        self._client = client
+        self.every_s, self.timeout_s, self.timeouts_to_unready = every_s, timeout_s, timeouts_to_unready
         self._ready: dict[str, bool] = {}  # url -> its last verdict; a worker never probed is not ready
         self._timeouts: dict[str, int] = {}  # url -> probes timed out in a row
 
@@ -177,8 +181,8 @@ class WorkerReadiness:
     async def probe(self, urls: Sequence[str]) -> None:
         """Probe every worker in `urls` at once; forget any other."""
         await asyncio.gather(*(self._probe(url) for url in urls))
-        for url in set(self._ready) - set(urls):
-            del self._ready[url]
+        for url in (self._ready.keys() | self._timeouts.keys()) - set(urls):  # one that only timed out, too
+            self._ready.pop(url, None)
             self._timeouts.pop(url, None)
 
     async def run(self, pool: WorkerPool) -> None:
@@ -264,7 +268,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     replied = Counter("megapod_front_replies", "Speech requests by the status the client got (a worker's 429 "
                       "retried on the next worker counts once, as what came of it)", ["status"], registry=registry)
     pool = WorkerPool(worker_urls, on_forget=_forget_series(active, routed))
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=CONNECT_S, read=None, pool=POOL_WAIT_S),
+    client = httpx.AsyncClient(timeout=TIMEOUT,
                                limits=httpx.Limits(max_connections=max_streams, max_keepalive_connections=KEEPALIVE))
     discovery = DnsWorkers(pool, workers_dns, refresh_s, resolve) if workers_dns else None
     readiness = WorkerReadiness(client)
@@ -305,22 +309,17 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         at_limit = False
         timed_out: list[str] = []  # workers whose connect timed out: tried again after the others
-        for url, connect_s in _attempts(pool.order(), timed_out):
+        for url, timeout in _attempts(pool.order(), timed_out):
             if not pool.acquire(url):
                 continue
-            timeout = httpx.Timeout(10.0, connect=connect_s, read=None, pool=POOL_WAIT_S)
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers,
                                                                   timeout=timeout), stream=True)
-            except httpx.ConnectTimeout as exc:  # gone without a word, or only slow: the next one, then it again
+            except httpx.HTTPError as exc:  # refused (a worker that left or is draining), or no connection in time
                 pool.release(url)
-                log.warning("worker %s: no connection within %.0f s: %r", url, connect_s, exc)
-                if connect_s < SLOW_CONNECT_S:
+                log.warning("worker %s unreachable (connect timeout %.0f s): %r", url, timeout.connect, exc)
+                if isinstance(exc, httpx.ConnectTimeout) and timeout is TIMEOUT:  # gone without a word, or only slow
                     timed_out.append(url)
-                continue
-            except httpx.HTTPError as exc:  # refused (a worker that left or is draining): the next one
-                pool.release(url)
-                log.warning("worker %s unreachable: %s", url, exc)
                 continue
             except BaseException:  # cancelled (the client left) or anything else: the slot goes back
                 pool.release(url)
@@ -375,14 +374,14 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     return app
 
 
-def _attempts(workers: list[str], timed_out: list[str]) -> Iterator[tuple[str, float]]:
+def _attempts(workers: list[str], timed_out: list[str]) -> Iterator[tuple[str, httpx.Timeout]]:
     """Each worker with the short connect timeout, in order; then each whose connect timed out meanwhile
     (`timed_out`, filled by the caller as it goes) once more with the long one. A front starved of CPU
     beside a loaded machine turned a flood's knocks on a reachable worker into 503s this way (issue 23)."""
     for url in workers:
-        yield url, CONNECT_S
+        yield url, TIMEOUT
     for url in timed_out:
-        yield url, SLOW_CONNECT_S
+        yield url, SLOW_TIMEOUT
 
 
 async def _bounded_body(request: Request) -> bytes | None:

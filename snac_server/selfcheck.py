@@ -249,7 +249,7 @@ async def _serve_streams(config: SnacServerConfig, streams: int, frames: int) ->
     return [g.audio() for g in got], server.batcher._runner
 
 
-def replica_serves(device: str, streams: int, quick: bool, model: str = DEFAULT_MODEL) -> dict[str, object]:
+def replica_serves(device: str, streams: int, quick: bool, model: str) -> dict[str, object]:
     """snac-server's defaults on the device (graphs captured at start-up), `streams` concurrent streams
     one frame a message, each stream's audio against one full decode of its frames."""
     frames = 8 if quick else 24
@@ -272,7 +272,7 @@ def replica_serves(device: str, streams: int, quick: bool, model: str = DEFAULT_
                       f"gRPC streams; each against one full decode"}
 
 
-def half_precision(device: str, max_batch: int, repeats: int, model: str = DEFAULT_MODEL) -> dict[str, object]:
+def half_precision(device: str, max_batch: int, repeats: int, model: str) -> dict[str, object]:
     """bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows)."""
     runner = _runner(device, "bfloat16", max_batch, (1,), model)
     found: dict[str, object] = {"snr_db_to_fp32": round(runner.full.snr_db, 1)}

@@ -194,3 +194,7 @@ async def test_a_refusal_or_a_503_is_believed_at_once_a_timeout_only_three_in_a_
         assert readiness.any_ready(["http://a"]) is expected
     await readiness.probe(["http://b"])  # a left the pool: forgotten
     assert not readiness.any_ready(["http://a"]) and readiness.any_ready(["http://b"])
+    answers["http://c"] = httpx.ReadTimeout("slow")
+    await readiness.probe(["http://b", "http://c"])  # c never answered...
+    await readiness.probe(["http://b"])  # ...and left: nothing of it kept (pod addresses come and go)
+    assert "http://c" not in readiness._timeouts
