@@ -4,7 +4,6 @@ ignore, fall back from, or fail on later are refused at start-up with the reason
 from __future__ import annotations
 
 import pytest
-from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend
 
 from llm_server.attention import AttentionSettingError, attention_config
 from llm_server.config import LlmServerConfig
@@ -19,16 +18,19 @@ def gpu_worker(**settings) -> LlmServerConfig:
 
 @pytest.mark.parametrize("backend, trtllm, expected_backend, expected_trtllm", [
     ("auto", "auto", None, None),  # vLLM chooses (FlashAttention 3 on Hopper)
-    ("auto", "on", Backend.FLASHINFER, True),  # TRT-LLM kernels live in FlashInfer: on picks it
-    ("FLASHINFER", "auto", Backend.FLASHINFER, None),  # FlashInfer decides per GPU (XQA decode on Hopper)
-    ("flashinfer", "off", Backend.FLASHINFER, False),
-    ("FLASH_ATTN", "off", Backend.FLASH_ATTN, False),
-    ("TRITON_ATTN", "auto", Backend.TRITON_ATTN, None),
+    ("auto", "on", "FLASHINFER", True),  # TRT-LLM kernels live in FlashInfer: on picks it
+    ("FLASHINFER", "auto", "FLASHINFER", None),  # FlashInfer decides per GPU (XQA decode on Hopper)
+    ("flashinfer", "off", "FLASHINFER", False),
+    ("FLASH_ATTN", "off", "FLASH_ATTN", False),
+    ("TRITON_ATTN", "auto", "TRITON_ATTN", None),
 ])
 def test_each_setting_builds_vllms_engine_config(backend, trtllm, expected_backend, expected_trtllm):
+    # vLLM imported here, not at collection: every pytest-xdist worker collects this module
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend
+
     args = engine_args(gpu_worker(attention_backend=backend, trtllm_attention=trtllm), resolve_model("tiny", TINY_CACHE))
     vllm_config = args.create_engine_config()  # vLLM's own VllmConfig, validated by vLLM
-    assert vllm_config.attention_config.backend == expected_backend
+    assert vllm_config.attention_config.backend == (Backend[expected_backend] if expected_backend else None)
     assert vllm_config.attention_config.use_trtllm_attention is expected_trtllm
 
 

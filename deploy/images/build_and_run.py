@@ -9,7 +9,8 @@ Steps, each reusing what an earlier run left (the engine's layer cache, the mirr
      machine cannot reach, so a NAMED STAND-IN is built locally (deploy/images/python-standin.Containerfile:
      debootstrap'd Debian bookworm minbase + Debian's python3.11) and passed as PYTHON_IMAGE;
   3. a PyPI mirror on loopback: the Python packages the images install (torch's CPU build
-     included) are fetched with this machine's pip into deploy/images/.cache/wheels, indexed
+     included) are fetched with this machine's pip into ~/.cache/orpheus-megapod/image-wheels (one
+     folder per machine, like the engine's layers: a fresh clone does not fetch them again), indexed
      (PEP 503) and served on 127.0.0.1; the builds point PIP_INDEX_URL and TORCH_INDEX_URL at it.
      The Dockerfiles' defaults stay the public indexes;
   4. build deploy/docker/llm-server-cpu.Dockerfile, deploy/docker/snac-server.Dockerfile (with
@@ -50,6 +51,8 @@ from megapod.launcher import free_ports, probe
 REPO = Path(__file__).resolve().parents[2]
 HERE = REPO / "deploy" / "images"
 CACHE = HERE / ".cache"
+# The mirror's wheels: per machine, not per clone (MEGAPOD_IMAGE_WHEELS moves them).
+WHEELS = Path(os.environ.get("MEGAPOD_IMAGE_WHEELS", Path.home() / ".cache" / "orpheus-megapod" / "image-wheels"))
 DOCKER = REPO / "deploy" / "docker"
 
 DEBIAN_STANDIN = "localhost/megapod-standin/debian:bookworm-slim"
@@ -264,7 +267,7 @@ def _normalize(name: str) -> str:
 
 def ensure_wheels() -> Path:
     """Every package the two images install, fetched by this machine's pip (its indexes, its CA)."""
-    wheels = CACHE / "wheels"
+    wheels = WHEELS
     key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + TORCH_VERSION.encode()).hexdigest()[:16]
     stamp = wheels / f".complete-{key}"
     if stamp.exists():
@@ -393,11 +396,6 @@ def build(engine: Engine, name: str, mirror_url: str, cpus: float = 0.0) -> dict
     context, flags = build_context(engine, dockerfile)
     log_path = engine.logs / f"build-{name}.log"
     engine(*cmd, *flags, str(context), log_to=log_path, timeout=3600)
-    # The build stage tagged too (all from the cache: seconds): the final image does not descend from
-    # it, so untagged, its layers (torch, the dependencies: most of a cold build) were removed by the
-    # first `image prune` of ensure_space, and every later build started cold.
-    stage = cmd[:cmd.index("-t")] + ["--target", "build", "-t", f"{tag}-build"] + cmd[cmd.index("-t") + 2:]
-    engine(*stage, *flags, str(context), log_to=engine.logs / f"build-{name}-stage.log", timeout=3600)
     seconds = time.perf_counter() - started
     text = log_path.read_text(errors="replace")
     steps = len(re.findall(r"^(?:(?:\[\d+/\d+\] )?STEP|Step) \d+/\d+", text, re.MULTILINE))  # podman | docker
