@@ -317,7 +317,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
                                                                   timeout=timeout), stream=True)
             except httpx.HTTPError as exc:  # refused (a worker that left or is draining), or no connection in time
                 pool.release(url)
-                log.warning("worker %s unreachable (connect timeout %.0f s): %r", url, timeout.connect, exc)
+                log.warning("worker %s unreachable (connect allowed %.0f s): %r", url, timeout.connect, exc)
                 if isinstance(exc, httpx.ConnectTimeout) and timeout is TIMEOUT:  # gone without a word, or only slow
                     timed_out.append(url)
                 continue

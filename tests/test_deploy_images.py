@@ -62,7 +62,7 @@ def parse(dockerfile: Path) -> tuple[dict[str, str], list[Stage]]:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_base_images_are_pinned_and_no_virtualenv_crosses_stages(dockerfile: Path) -> None:
     """A virtualenv copied from a build stage (`COPY --from=build /opt/venv`) is hashed again by every
-    build, the cached ones too: 55 s of a warm CPU LLM build, beside the tests (deploy/README.md)."""
+    build, the cached ones too: 55 s of a fully cached CPU LLM build, idle (deploy/README.md)."""
     _, stages = parse(dockerfile)
     for stage in stages:
         repository, _, tag = stage.image.rpartition(":")

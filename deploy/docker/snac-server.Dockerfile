@@ -38,7 +38,7 @@ COPY snac_server ./snac_server
 COPY llm_server ./llm_server
 COPY megapod ./megapod
 COPY README.md ./
-# Installed, not run from /src (a wheel's copy in site-packages); the sources stay, a few hundred KB.
+# Installed, not run from /src (a wheel's copy in site-packages); the sources stay behind (1.4 MB).
 RUN pip install --no-deps .
 WORKDIR /
 ENV HOME=/tmp PYTHONUNBUFFERED=1 HF_HOME=/cache/huggingface
