@@ -22,6 +22,8 @@ from codec_contract.client import channel
 from snac_server.config import SnacServerConfig
 from snac_server.server import build_server
 
+from processes import TEST_CODEC
+
 
 # Hypothesis fails an example that runs over 200 ms by default: a wall-clock bound, which a loaded
 # 2-core machine can cross (test_prompt's property tests ran with it; the others set deadline=None).
@@ -38,8 +40,12 @@ def random_frames(n: int, seed: int) -> np.ndarray:
 
 
 def server_config(**overrides) -> SnacServerConfig:
-    """Loopback, ephemeral ports, CPU, random weights: a config every test machine can run."""
-    values = dict(host="127.0.0.1", port=0, metrics_port=0, device="cpu", model="random-24khz", max_wait_ms=20.0)
+    """Loopback, ephemeral ports, CPU, random weights of the small test codec: a config every test machine
+    can run. What these servers are tested for (batching, sessions, resumes, bad input, the LLM tier
+    around them) does not depend on the decoder's width, and the real width costs 50x the CPU a frame
+    (a whole decode of 64 frames: 6.8 s against 0.14 s here, one thread); the codec's own numerics are tested at the real width
+    (test_streaming.py, test_codec_model.py, the recorded PCM in test_server.py)."""
+    values = dict(host="127.0.0.1", port=0, metrics_port=0, device="cpu", model=TEST_CODEC, max_wait_ms=20.0)
     values.update(overrides)
     return SnacServerConfig(**values)
 

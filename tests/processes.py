@@ -19,8 +19,9 @@ from megapod.launcher import Child, free_ports
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
 UNBUFFERED = {"PYTHONUNBUFFERED": "1"}  # a log's tail is up to date when a test fails
 WORKER_MAX_STREAMS = 8  # conftest.worker_stack's admission cap
-# The codec of end-to-end stacks: the real layout at 1/16 width (snac_server.codec_model.RANDOM_MODELS),
-# so their audio costs a fraction of the real decoder's CPU; the codec tier's own tests use the real one.
+# The codec of end-to-end stacks and of the tests' codec servers (conftest.server_config): the real layout
+# at 1/16 width (snac_server.codec_model.RANDOM_MODELS), so their audio costs a fraction of the real
+# decoder's CPU; the codec's numerics are tested at the real width (test_streaming.py, test_codec_model.py).
 TEST_CODEC = "random-24khz-small"
 
 

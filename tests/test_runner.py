@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import random_frames
+from processes import TEST_CODEC
 from orpheus_common.sync_detector import host_syncs
 from snac_server.batcher import MicroBatcher
 from snac_server.codec_model import build_decoder
@@ -23,7 +24,8 @@ BUCKETS = (1, 2, 4, 8, 16)
 
 @pytest.fixture(scope="module")
 def decoder():
-    return build_decoder("random-24khz", "cpu", "float32", max_batch=8)
+    """The small test codec: how the runner splits, shares and fails steps does not depend on the width."""
+    return build_decoder(TEST_CODEC, "cpu", "float32", max_batch=8)
 
 
 @pytest.fixture(scope="module")

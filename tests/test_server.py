@@ -9,13 +9,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import random_frames, server_config
-from codec_contract.api import codec_pb2
-from codec_contract.client import END_REQUEST, decode, frames_request, header_request, paced_requests
+from codec_contract.api import codec_pb2, codec_pb2_grpc
+from codec_contract.client import END_REQUEST, channel, decode, frames_request, header_request, paced_requests
 from codec_contract.audio import FRAME_SAMPLES
 from snac_server.metrics import SnacMetrics
 from snac_server.server import build_runner, build_server
@@ -57,10 +58,22 @@ async def test_streaming_equals_one_full_decode(snac_server, stub, per_message, 
 RECORDED_PCM = Path(__file__).parent / "data" / "recorded_pcm.npz"
 
 
+@pytest_asyncio.fixture(scope="module")
+async def real_width_stub():
+    """A codec server with the real decoder's width (the other tests' servers have the small one)."""
+    server, port = build_server(server_config(model="random-24khz", metrics_port=-1))
+    await server.start()
+    try:
+        async with channel(f"127.0.0.1:{port}") as ch:
+            yield codec_pb2_grpc.SnacCodecStub(ch)
+    finally:
+        await server.stop(grace_s=1.0)
+
+
 @pytest.mark.parametrize("policy", ["streaming", "reference"])
-async def test_same_frames_and_seed_give_the_recorded_pcm_on_any_cpu(stub, policy):
+async def test_same_frames_and_seed_give_the_recorded_pcm_on_any_cpu(real_width_stub, policy):
     header = header_request(77, policy, sample_format=codec_pb2.SAMPLE_FORMAT_S16LE)
-    stream = await decode(stub, paced_requests(header, random_frames(20, seed=2026), 3))
+    stream = await decode(real_width_stub, paced_requests(header, random_frames(20, seed=2026), 3))
     pcm = np.frombuffer(b"".join(c.pcm for c in stream.chunks), "<i2").astype(np.int32)
     recorded = np.load(RECORDED_PCM)[policy].astype(np.int32)
     assert pcm.shape == recorded.shape == (20 * FRAME_SAMPLES,)
