@@ -11,6 +11,7 @@ import sys
 import uvicorn
 
 from orpheus_common.draining import DrainingServer
+from orpheus_common.http import IDLE_KEEP_ALIVE_S
 
 from . import request_log
 from .api import create_app
@@ -31,7 +32,7 @@ def run(config: LlmServerConfig) -> None:
             log_level="info",
             log_config=None,  # uvicorn's loggers propagate to ours: one format, request ids on its lines too
             timeout_graceful_shutdown=int(config.grace_s),
-            timeout_keep_alive=30,
+            timeout_keep_alive=IDLE_KEEP_ALIVE_S,
         ),
     )
     server.run()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
+from orpheus_common.http import IDLE_KEEP_ALIVE_S
 from orpheus_front.front import create_front_app
 from .launcher import Launcher
 from .topology import MegaPodConfig
@@ -55,6 +56,7 @@ async def up(config: MegaPodConfig) -> None:
         create_front_app([f"http://{config.host}:{p}" for p in config.worker_ports()]),
         host=config.host, port=config.front_port, log_level="warning",
         timeout_graceful_shutdown=int(config.grace_s),  # the drain budget of every tier
+        timeout_keep_alive=IDLE_KEEP_ALIVE_S,
     ))
     try:
         starting = asyncio.create_task(launcher.start())

@@ -34,7 +34,7 @@ from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from orpheus_common.http import CAPACITY_FREE, TRY_AGAIN_LATER, error_response
+from orpheus_common.http import CAPACITY_FREE, IDLE_KEEP_ALIVE_S, TRY_AGAIN_LATER, error_response
 from orpheus_common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -544,7 +544,7 @@ def serve_front(config: FrontConfig) -> None:
 
     app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s, max_streams=config.max_streams)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=None,
-                                           timeout_graceful_shutdown=int(config.grace_s), timeout_keep_alive=30))
+                                           timeout_graceful_shutdown=int(config.grace_s), timeout_keep_alive=IDLE_KEEP_ALIVE_S))
     server.run()
     if not server.started:
         raise SystemExit(3)
