@@ -8,10 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 
-import uvicorn
-
-from orpheus_common.draining import DrainingServer
-from orpheus_common.http import IDLE_KEEP_ALIVE_S
+from orpheus_common.draining import DrainingServer, server_config
 
 from . import request_log
 from .api import create_app
@@ -25,14 +22,13 @@ def run(config: LlmServerConfig) -> None:
     """Serve until SIGTERM/SIGINT; in-flight streams get `grace_s` to finish."""
     app = create_app(config)
     server = DrainingServer(
-        uvicorn.Config(
+        server_config(
             app,
-            host=config.host,
-            port=config.port,
+            config.host,
+            config.port,
+            config.grace_s,
             log_level="info",
             log_config=None,  # uvicorn's loggers propagate to ours: one format, request ids on its lines too
-            timeout_graceful_shutdown=int(config.grace_s),
-            timeout_keep_alive=IDLE_KEEP_ALIVE_S,
         ),
     )
     server.run()

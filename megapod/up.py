@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
-from orpheus_common.http import IDLE_KEEP_ALIVE_S
+from orpheus_common.draining import server_config
 from orpheus_front.front import create_front_app
 from .launcher import Launcher
 from .topology import MegaPodConfig
@@ -52,11 +52,9 @@ async def up(config: MegaPodConfig) -> None:
     if config.random_weights:
         print(RANDOM_WEIGHTS_BANNER, file=sys.stderr, flush=True)
     launcher = Launcher(config, log_dir())
-    front = _FrontServer(uvicorn.Config(
+    front = _FrontServer(server_config(  # grace_s: the drain budget of every tier
         create_front_app([f"http://{config.host}:{p}" for p in config.worker_ports()]),
-        host=config.host, port=config.front_port, log_level="warning",
-        timeout_graceful_shutdown=int(config.grace_s),  # the drain budget of every tier
-        timeout_keep_alive=IDLE_KEEP_ALIVE_S,
+        config.host, config.front_port, config.grace_s, log_level="warning",
     ))
     try:
         starting = asyncio.create_task(launcher.start())

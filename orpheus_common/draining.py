@@ -23,6 +23,19 @@ from uvicorn.server import HANDLED_SIGNALS
 
 log = logging.getLogger(__name__)
 
+# How long every server of the stack keeps an idle client connection open: longer than clients' pools keep
+# one for reuse (httpx 5 s, aiohttp 15 s), so a client never sends a request down a connection the server
+# is closing. uvicorn's default, 5 s, met httpx's 5 s at `megapod up`'s front, which built its config
+# apart: under load a request now and then arrived as the server closed, and got a reset (issue 23).
+IDLE_KEEP_ALIVE_S = 30
+
+
+def server_config(app: Starlette, host: str, port: int, grace_s: float, **settings) -> uvicorn.Config:
+    """uvicorn's config as every HTTP server of the stack runs (the worker, the front pod, `megapod up`'s
+    front): in-flight streams get grace_s to finish, idle connections stay IDLE_KEEP_ALIVE_S."""
+    return uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=int(grace_s),
+                          timeout_keep_alive=IDLE_KEEP_ALIVE_S, **settings)
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, marking the app as draining on SIGTERM/SIGINT and exiting normally after."""

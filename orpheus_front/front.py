@@ -34,7 +34,7 @@ from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from orpheus_common.http import CAPACITY_FREE, IDLE_KEEP_ALIVE_S, TRY_AGAIN_LATER, error_response
+from orpheus_common.http import CAPACITY_FREE, TRY_AGAIN_LATER, error_response
 from orpheus_common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -538,13 +538,10 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
 def serve_front(config: FrontConfig) -> None:
     """Run the front alone until SIGTERM: it then stops accepting, says 503 on /ready, and lets
     the streams in flight finish for up to grace_s (orpheus_common/draining.py, as a worker does)."""
-    import uvicorn
-
-    from orpheus_common.draining import DrainingServer  # imported here, not by `megapod say`
+    from orpheus_common.draining import DrainingServer, server_config  # imported here, not by `megapod say`
 
     app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s, max_streams=config.max_streams)
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="info", log_config=None,
-                                           timeout_graceful_shutdown=int(config.grace_s), timeout_keep_alive=IDLE_KEEP_ALIVE_S))
+    server = DrainingServer(server_config(app, config.host, config.port, config.grace_s, log_level="info", log_config=None))
     server.run()
     if not server.started:
         raise SystemExit(3)

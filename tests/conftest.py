@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -42,22 +43,31 @@ def random_frames(n: int, seed: int) -> np.ndarray:
 def server_config(**overrides) -> SnacServerConfig:
     """Loopback, ephemeral ports, CPU, random weights of the small test codec: a config every test machine
     can run. What these servers are tested for (batching, sessions, resumes, bad input, the LLM tier
-    around them) does not depend on the decoder's width, and the real width costs 50x the CPU a frame
-    (a whole decode of 64 frames: 6.8 s against 0.14 s here, one thread); the codec's own numerics are tested at the real width
-    (test_streaming.py, test_codec_model.py, the recorded PCM in test_server.py)."""
+    around them) does not depend on the decoder's width, and the real width costs ~50x the CPU a frame
+    (a whole decode of 64 frames: 6.8 s against 0.14 s here, one thread); the codec's own numerics are
+    tested at the real width (test_streaming.py, test_codec_model.py, the recorded PCM in test_server.py)."""
     values = dict(host="127.0.0.1", port=0, metrics_port=0, device="cpu", model=TEST_CODEC, max_wait_ms=20.0)
     values.update(overrides)
     return SnacServerConfig(**values)
 
 
+@contextlib.asynccontextmanager
+async def running_codec_server(**overrides):
+    """A real grpc.aio codec server of server_config(**overrides), its `address` set, stopped after."""
+    server, port = build_server(server_config(**overrides))
+    await server.start()
+    server.address = f"127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        await server.stop(grace_s=1.0)
+
+
 @pytest_asyncio.fixture(scope="module")
 async def snac_server():
     """One real grpc.aio codec server per test module (model load and warm-up take seconds)."""
-    server, port = build_server(server_config())
-    await server.start()
-    server.address = f"127.0.0.1:{port}"
-    yield server
-    await server.stop(grace_s=1.0)
+    async with running_codec_server() as server:
+        yield server
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -5,6 +5,7 @@ Ctrl-C, after every other test that uses the stack."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import io
 import os
 import re
@@ -123,37 +124,26 @@ async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
         await asyncio.sleep(1)
 
 
-def _reply(sock: socket.socket) -> bytes:
-    """One HTTP/1.1 reply with a Content-Length body off the socket ('' once the server has closed it)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        try:
-            chunk = sock.recv(4096)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
-    while len(body) < length:
-        body += sock.recv(4096)
-    return data
-
-
 def test_the_front_keeps_an_idle_connection_past_a_client_pools_expiry(megapod):
     """A connection idle for longer than httpx keeps one in its pool (5 s) is still the front's. uvicorn's
     default keep-alive, 5 s too, had `megapod up`'s front close such connections as pooled clients sent
     their next request down them: under load a soak's knock now and then met a reset (ReadError) and never
-    reached a worker (issue 23). The idle time is the client's, so the test waits for it."""
-    host, port = megapod["url"].removeprefix("http://").split(":")
-    request = b"GET /health HTTP/1.1\r\nHost: megapod\r\n\r\n"
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(request)
-        assert _reply(sock).startswith(b"HTTP/1.1 200")
+    reached a worker (issue 23). The idle time is the client's, so the test waits for it. http.client
+    keeps one socket and never reconnects by itself: the second reply comes down the first connection."""
+    front = http.client.HTTPConnection(*megapod["url"].removeprefix("http://").split(":"), timeout=30)
+    try:
+        front.request("GET", "/health")
+        assert front.getresponse().read() and front.sock is not None
+        idle = front.sock
         time.sleep(httpx.Limits().keepalive_expiry + 1.0)
-        sock.sendall(request)
-        assert _reply(sock).startswith(b"HTTP/1.1 200"), "the front closed an idle connection a client pool still holds"
+        try:
+            front.request("GET", "/health")
+            reply = front.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionError) as exc:
+            pytest.fail(f"the front closed an idle connection a client pool still holds: {exc!r}")
+        assert reply.status == 200 and front.sock is idle
+    finally:
+        front.close()
 
 
 def test_children_share_the_launchers_session_in_groups_of_their_own(megapod):

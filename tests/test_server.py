@@ -14,7 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import random_frames, server_config
+from conftest import random_frames, running_codec_server, server_config
 from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import END_REQUEST, channel, decode, frames_request, header_request, paced_requests
 from codec_contract.audio import FRAME_SAMPLES
@@ -61,13 +61,8 @@ RECORDED_PCM = Path(__file__).parent / "data" / "recorded_pcm.npz"
 @pytest_asyncio.fixture(scope="module")
 async def real_width_stub():
     """A codec server with the real decoder's width (the other tests' servers have the small one)."""
-    server, port = build_server(server_config(model="random-24khz", metrics_port=-1))
-    await server.start()
-    try:
-        async with channel(f"127.0.0.1:{port}") as ch:
-            yield codec_pb2_grpc.SnacCodecStub(ch)
-    finally:
-        await server.stop(grace_s=1.0)
+    async with running_codec_server(model="random-24khz", metrics_port=-1) as server, channel(server.address) as ch:
+        yield codec_pb2_grpc.SnacCodecStub(ch)
 
 
 @pytest.mark.parametrize("policy", ["streaming", "reference"])

@@ -265,9 +265,8 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def ensure_wheels() -> Path:
+def ensure_wheels(wheels: Path = WHEELS) -> Path:
     """Every package the two images install, fetched by this machine's pip (its indexes, its CA)."""
-    wheels = WHEELS
     key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + TORCH_VERSION.encode()).hexdigest()[:16]
     stamp = wheels / f".complete-{key}"
     if stamp.exists():
