@@ -348,6 +348,8 @@ class Launcher:
         for task in list(self._watchers):
             task.cancel()
         grace = self.config.grace_s + 5.0
-        await asyncio.gather(*(asyncio.to_thread(w.stop, signal.SIGTERM, grace) for w in self.workers))
-        await asyncio.gather(*(asyncio.to_thread(r.stop, signal.SIGTERM, grace) for r in self.replicas))
+        for tier in (self.workers, self.replicas):
+            codes = await asyncio.gather(*(asyncio.to_thread(c.stop, signal.SIGTERM, grace) for c in tier))
+            for child, code in zip(tier, codes):  # 0: drained and exited by itself
+                log.info("%s stopped with exit code %s", child.name, code)
         log.info("all MegaPod processes stopped")

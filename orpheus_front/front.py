@@ -53,6 +53,7 @@ SLOW_CONNECT_S = 10.0
 # No read timeout: a stream's reply lasts as long as its audio.
 TIMEOUT = httpx.Timeout(10.0, connect=CONNECT_S, read=None, pool=POOL_WAIT_S)
 SLOW_TIMEOUT = httpx.Timeout(10.0, connect=SLOW_CONNECT_S, read=None, pool=POOL_WAIT_S)
+REFUSAL_READ_S = 2.0  # a worker's 429 body (a few hundred bytes) is read within this, else dropped
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
 SOCKETS = ("/tts/websocket", "/v1/speak")
@@ -329,7 +330,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
                 at_limit = True
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
                 pool.report(url, upstream.headers.get(CAPACITY_FREE))  # after: the refused stream is not held
-                await upstream.aclose()
+                await _discard(upstream)
                 continue
             if upstream.is_success:  # admitted: the worker's count has this stream, as ours does
                 pool.report(url, upstream.headers.get(CAPACITY_FREE))
@@ -408,6 +409,19 @@ async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, h
         relayed = {k: v for k, v in reply.headers.items() if k.lower() in ("www-authenticate", "x-request-id", "retry-after")}
         return Response(reply.content, reply.status_code, headers=relayed, media_type=reply.headers.get("content-type"))
     return error_response(503, "no worker reachable")
+
+
+async def _discard(refusal: httpx.Response) -> None:
+    """A refusal's body read to its end, so that its connection goes back to the pool for the next request.
+    Closed unread, every 429 cost a new connection to the worker: a flood of knocks left thousands of sockets
+    in TIME_WAIT, on the way to running out of local ports. A body that does not come within REFUSAL_READ_S
+    (or a cancel) closes the connection instead; the close is shielded (see _RelayedResponse)."""
+    try:
+        with anyio.move_on_after(REFUSAL_READ_S):
+            await refusal.aread()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await refusal.aclose()
 
 
 class _RelayedResponse(StreamingResponse):

@@ -79,52 +79,30 @@ async def stub(snac_server):
 
 @pytest.fixture(scope="session")
 def megapod(tmp_path_factory):
-    """`megapod up` with 2 workers (8 streams each) and 2 codec replicas, as a user runs it: started once
-    for every test that drives the whole stack (vLLM's start is most of a minute on two cores)."""
-    from processes import megapod_up
+    """`megapod up` with 2 workers (WORKER_MAX_STREAMS streams each, a 1024-token context) and 2 codec replicas,
+    as a user runs it: started once for every test that drives the whole stack, or one worker or replica
+    of it directly (vLLM's start is most of a minute of CPU on two cores). Its drain grace is 60 s: the
+    stream in flight at Ctrl-C (test_megapod.py) finishes within it on a loaded machine too."""
+    from processes import WORKER_MAX_STREAMS, megapod_up
 
-    with megapod_up(tmp_path_factory.mktemp("megapod-logs"), workers=2, replicas=2, max_streams=8) as up:
+    with megapod_up(tmp_path_factory.mktemp("megapod-logs"), workers=2, replicas=2, max_streams=WORKER_MAX_STREAMS,
+                    grace_s=60) as up:
         yield up
 
 
-@pytest.fixture(scope="session")
-def worker_stack(tmp_path_factory):
-    """One LLM worker (real vLLM on the CPU, the tiny model) over two codec replicas, as processes on
-    loopback: started once for every test that drives a worker directly (test_http_fuzz, test_llm_server,
-    test_overload, test_worker_drain). It admits WORKER_MAX_STREAMS streams (a fixed limit), has a 1024-token context and
-    drains for up to 120 s on SIGTERM, the union of what those tests need; test_worker_drain ends it, so it
-    runs last."""
-    from processes import WORKER_MAX_STREAMS, llm_process, snac_process
-
-    logs = tmp_path_factory.mktemp("worker-logs")
-    replicas = [snac_process().start(logs) for _ in range(2)]
-    worker = llm_process([r.port for r in replicas], "--max-streams", str(WORKER_MAX_STREAMS),
-                         "--min-streams", str(WORKER_MAX_STREAMS), "--grace-s", "120").start(logs)
-    stack = {"worker": worker, "replicas": replicas, "url": f"http://127.0.0.1:{worker.port}", "logs": logs}
-    try:
-        for r in replicas:
-            r.wait_ready()
-        worker.wait_ready()
-        yield stack
-    finally:
-        for p in [stack["worker"], *stack["replicas"]]:  # replicas a test restarted included
-            p.stop()
-
-
-STOPPERS = ("stops_the_megapod", "stops_the_worker")
+STOPPERS = ("stops_the_megapod",)
 # Tests that share a session's stack run in one pytest-xdist worker (`make test` runs two, --dist loadgroup),
 # so each stack starts once; every other test runs with the rest of its module, whose module-scoped
 # fixtures (a doctor run, a codec server) would otherwise start once per worker.
-SHARED_STACKS = ("megapod", "worker_stack")
+SHARED_STACKS = ("megapod",)
 # The longest groups first (each a few minutes on two cores), so that neither worker is left with one at
 # the end while the other idles; then the rest in file order, the image test last (it waits for its build).
-LONGEST_FIRST = ("megapod", "worker_stack", "tests/test_soak_benchmark.py", "tests/test_doctor.py",
+LONGEST_FIRST = ("megapod", "tests/test_soak_benchmark.py", "tests/test_doctor.py",
                  "tests/test_serving_cpu_benchmark.py", "tests/test_gpu_kit.py", "tests/test_vllm_engine.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "stops_the_megapod: ends the session's `megapod up`, so it runs after every other test of it")
-    config.addinivalue_line("markers", "stops_the_worker: ends the session's worker_stack, so it runs after every other test of it")
     config.addinivalue_line("markers", "builds_the_images: waits for the images built in the background; runs last")
     if _starts_the_image_build(config):
         # The build's folder is known before xdist starts its workers, which inherit the environment.

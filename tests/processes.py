@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -18,7 +19,8 @@ from megapod.launcher import Child, free_ports
 
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
 UNBUFFERED = {"PYTHONUNBUFFERED": "1"}  # a log's tail is up to date when a test fails
-WORKER_MAX_STREAMS = 8  # conftest.worker_stack's admission cap
+MAX_MODEL_LEN = 1024  # the context of the session's workers (tests of prompts over it count on it)
+WORKER_MAX_STREAMS = 8  # the admission cap of each worker of the session's `megapod up` (conftest.megapod)
 # The codec of end-to-end stacks and of the tests' codec servers (conftest.server_config): the real layout
 # at 1/16 width (snac_server.codec_model.RANDOM_MODELS), so their audio costs a fraction of the real
 # decoder's CPU; the codec's numerics are tested at the real width (test_streaming.py, test_codec_model.py).
@@ -44,12 +46,36 @@ def snac_process(port: int | None = None, *extra: str) -> Server:
     return Server("snac_server", args, None, f"grpc://127.0.0.1:{port}", UNBUFFERED, metrics_port=metrics)
 
 
-def llm_process(snac_ports: list[int], *extra: str) -> Server:
-    port = free_ports(1)[0]
-    args = [sys.executable, "-m", "llm_server", "--host", "127.0.0.1", "--port", str(port),
-            "--snac", ",".join(f"127.0.0.1:{p}" for p in snac_ports), "--model", "tiny", "--cache-dir", TINY_CACHE,
-            "--device", "cpu", "--enforce-eager", "true", "--max-model-len", "1024", "--max-num-seqs", "16", *extra]
-    return Server("llm_server", args, None, f"http://127.0.0.1:{port}/ready", UNBUFFERED)
+@dataclass
+class Part:
+    """One server of a `megapod up` (llm-0, snac-1), seen from outside: its ports, its log, and its pid now (the
+    launcher restarts a part that dies, under a new pid). A worker serves its metrics on its own port."""
+
+    name: str
+    port: int
+    metrics_port: int
+    log_dir: Path
+    launcher_log: Path
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def pid(self) -> int:
+        return int(re.findall(rf"(?:started|restarted) {self.name} \(pid (\d+)\)", self.launcher_log.read_text())[-1])
+
+    def restarts(self) -> int:
+        return len(re.findall(rf"restarted {self.name} \(pid", self.launcher_log.read_text()))
+
+    def wait_restarted(self, restarts: int, within_s: float = 300.0) -> None:
+        """Until the launcher has restarted this part `restarts` times in all and the new one is ready."""
+        deadline = time.monotonic() + within_s
+        while not (self.restarts() >= restarts and f"{self.name} ready" in self._log_since_restart(restarts)):
+            assert time.monotonic() < deadline, f"{self.name} not back after {within_s:.0f} s"
+            time.sleep(0.2)
+
+    def _log_since_restart(self, restarts: int) -> str:
+        return "".join(self.launcher_log.read_text().split(f"restarted {self.name} (pid")[restarts:])
 
 
 def scrape(port: int, name: str, **labels: str) -> float:
@@ -80,26 +106,32 @@ def unhang(proc: Child) -> None:
 
 
 @contextlib.contextmanager
-def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | None = None) -> Iterator[dict]:
+def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | None = None,
+               grace_s: float | None = None) -> Iterator[dict]:
     """`megapod up` on free ports (real vLLM on the CPU, random weights), as a user runs it, until its
     front is ready; SIGINT (then SIGKILL of all it started) at the end: the benchmarks' LocalStack.
-    Yields proc (the Popen), log, url, workers and replicas (counts), max_streams (per worker) and ports (front, workers / snac /
-    metrics: each tier's base port)."""
+    Yields proc (the Popen), log, url, llm and snac (each server as a Part), workers and replicas (counts),
+    max_streams (per worker), grace_s and ports (front, workers / snac / metrics: each tier's base port)."""
     # Imported here: pytest puts benchmarks/ on the path, test files run as scripts do not.
     from concurrency_bench.stack import LocalStack
 
     flags = ["--workers", str(workers), "--replicas", str(replicas), "--enforce-eager", "true",
-             "--max-model-len", "1024", "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC]
+             "--max-model-len", str(MAX_MODEL_LEN), "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC]
     # A fixed limit when given (floor = ceiling): the tests count on it; else measured, as deployed.
     flags += ["--max-streams-per-worker", str(max_streams), "--min-streams-per-worker", str(max_streams)] if max_streams else []
+    flags += ["--grace-s", str(grace_s)] if grace_s is not None else []
     stack = LocalStack("up", flags, log_dir)
     stack.plan(set())
     try:
         stack.start()
         stack.wait_ready(420)  # the front serves once every worker and replica is ready
-        config = stack.config
+        config, parts = stack.config, stack.log_dir / stack.name
         yield {"proc": stack.child.popen, "log": stack.child.log_path, "url": stack.url,
+               "llm": [Part(f"llm-{i}", p, p, parts, stack.child.log_path) for i, p in enumerate(config.worker_ports())],
+               "snac": [Part(f"snac-{j}", p, config.snac_metrics_base_port + j, parts, stack.child.log_path)
+                        for j, p in enumerate(config.snac_ports())],
                "workers": config.workers, "replicas": config.replicas, "max_streams": config.max_streams_per_worker,
+               "grace_s": config.grace_s,
                "ports": {"front": config.front_port, "workers": config.worker_base_port,
                          "snac": config.snac_base_port, "metrics": config.snac_metrics_base_port}}
     finally:

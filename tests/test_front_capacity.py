@@ -12,11 +12,13 @@ import asyncio
 import math
 
 import httpx
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 from served import ScriptedEngineDouble, body, serve_app, serving
 from websockets.asyncio.client import connect
 
 from orpheus_common.http import CAPACITY_FREE
+from orpheus_front import front as front_module
 from orpheus_front.front import WorkerPool, create_front_app
 
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
@@ -79,6 +81,50 @@ async def test_the_front_sends_streams_where_capacity_is_free():
     assert [r.status_code for r in replies] == [200] * 10
     assert hits["roomy"] == 10 and hits["full"] <= 1, hits
 
+
+
+async def test_refusals_reuse_the_front_s_connection_to_the_worker():
+    """A worker's 429 is read to its end, so its connection goes back to the front's pool: twenty refusals
+    in a row reach the worker over one connection. (Closed unread, each cost a new connection, and a flood
+    of knocks left thousands of sockets in TIME_WAIT towards running out of local ports.)"""
+    client_ports = []
+    app = FastAPI()
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        client_ports.append(request.client.port)
+        return Response(b'{"error": {"message": "at the limit", "type": "rate_limit", "code": "at_capacity"}}', 429,
+                        {CAPACITY_FREE: "0", "Retry-After": "1"}, media_type="application/json")
+
+    async with serve_app(app) as port:
+        front = create_front_app([f"http://127.0.0.1:{port}"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://front") as client:
+            statuses = [(await client.post("/v1/audio/speech", json=body())).status_code for _ in range(20)]
+    assert statuses == [429] * 20 and len(client_ports) == 20
+    assert len(set(client_ports)) == 1, f"{len(set(client_ports))} connections for 20 refusals"
+
+
+async def test_a_refusal_whose_body_never_comes_is_dropped_not_waited_for(monkeypatch):
+    """A worker that sends a 429's headers and then nothing: the front gives the client its 429 once
+    REFUSAL_READ_S passes, and closes that connection (a later refusal comes over a new one)."""
+    monkeypatch.setattr(front_module, "REFUSAL_READ_S", 0.2)
+    client_ports = []
+    app = FastAPI()
+
+    async def never_ends():
+        yield b'{"error": '
+        await asyncio.Event().wait()
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> StreamingResponse:
+        client_ports.append(request.client.port)
+        return StreamingResponse(never_ends(), 429, {CAPACITY_FREE: "0"}, media_type="application/json")
+
+    async with serve_app(app) as port:
+        front = create_front_app([f"http://127.0.0.1:{port}"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://front") as client:
+            statuses = [(await client.post("/v1/audio/speech", json=body())).status_code for _ in range(3)]
+    assert statuses == [429] * 3 and len(set(client_ports)) == 3
 
 async def test_every_reply_and_handshake_says_the_free_capacity(snac_server):
     engine = ScriptedEngineDouble(frames=200, frames_per_batch=1, batch_delay_s=0.02)  # 4 s streams

@@ -23,17 +23,18 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from processes import wait_metric_zero
+from processes import MAX_MODEL_LEN, wait_metric_zero
 
 MAX_BODY_BYTES = 65536  # LlmServerConfig.max_body_bytes (the worker runs on defaults)
 MAX_INPUT_CHARS = 4096  # LlmServerConfig.max_input_chars
-MAX_MODEL_LEN = 1024  # processes.llm_process's --max-model-len
 
 
 @pytest.fixture(scope="module")
-def stack(worker_stack):
-    """The session's worker over two codec replicas (conftest.worker_stack)."""
-    return worker_stack
+def stack(megapod):
+    """Worker 0 of the session's `megapod up` (conftest.megapod), spoken to directly."""
+    worker = megapod["llm"][0]
+    parts = [worker, *megapod["snac"]]
+    return {"worker": worker, "url": f"http://127.0.0.1:{worker.port}", "parts": parts, "pids": [p.pid() for p in parts]}
 
 
 def _speech(stack, body=None, content=None, headers=None) -> httpx.Response:
@@ -293,7 +294,7 @@ def test_a_prompt_over_the_context_is_a_400_that_holds_nothing(stack, door):
 def test_still_healthy_and_no_stream_left_running(stack):
     """Runs last: whatever came before, the worker serves, and no stream or engine request is held."""
     port = stack["worker"].port
-    assert stack["worker"].alive() and all(r.alive() for r in stack["replicas"])
+    assert [p.pid() for p in stack["parts"]] == stack["pids"], "a worker or replica died (the launcher restarted it)"
     assert httpx.get(f"{stack['url']}/health").status_code == 200
     assert httpx.get(f"{stack['url']}/ready").status_code == 200
     assert wait_metric_zero(port, "orpheus_active_streams", within_s=30) == 0

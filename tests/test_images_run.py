@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BUILD_RC
+from processes import TEST_CODEC
 
 from megapod.render import REPO
 
@@ -40,7 +41,8 @@ def test_the_images_build_and_the_stack_speaks_from_them(image_build: Path) -> N
     work = image_build
     result_path = work / "result-cpu.json"
     assert (work / BUILD_RC).read_text() == "0", (work / "build.log").read_text()[-4000:]  # the background build phase
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--phase", "run", "--result", str(result_path)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--phase", "run", "--snac-model", TEST_CODEC,
+                           "--result", str(result_path)],
                           check=False, capture_output=True, text=True, timeout=1800)
     result = json.loads(result_path.read_text())
     assert proc.returncode == 0 and result["ok"], f"{result.get('error')}\n{proc.stderr[-4000:]}"
@@ -59,6 +61,7 @@ def test_the_images_build_and_the_stack_speaks_from_them(image_build: Path) -> N
 
     stack = result["stack"]
     assert len(stack["start_to_ready_s"]) == stack["codec_replicas"] + 2  # the replicas, the worker, the front
+    assert stack["snac_model"].startswith(f"{TEST_CODEC} ")  # the small codec: the real layout, less CPU per frame
 
     say = result["megapod_say"]
     assert (say["sample_rate"], say["sample_width"], say["channels"]) == (24_000, 2, 1), say

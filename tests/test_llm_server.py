@@ -1,5 +1,5 @@
-"""The LLM tier end to end: real vLLM (CPU build), the tiny model, real snac-server replicas,
-driven by the `openai` SDK and raw HTTP."""
+"""The LLM tier end to end: real vLLM (CPU build), the tiny model, real snac-server replicas (worker 0 of
+the session's `megapod up` and its two replicas, spoken to directly), driven by the `openai` SDK and raw HTTP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import random
 import signal
 import time
@@ -18,13 +19,14 @@ import openai
 import pytest
 
 from processes import WORKER_MAX_STREAMS as MAX_STREAMS
-from processes import scrape, snac_process, wait_metric_zero
+from processes import scrape, wait_metric_zero
 
 
 @pytest.fixture(scope="module")
-def stack(worker_stack):
-    """The session's worker over two codec replicas (conftest.worker_stack)."""
-    return worker_stack
+def stack(megapod):
+    """Worker 0 of the session's `megapod up` (conftest.megapod) and the two codec replicas it uses."""
+    worker = megapod["llm"][0]
+    return {"worker": worker, "replicas": megapod["snac"], "url": f"http://127.0.0.1:{worker.port}"}
 
 
 def _frames_generated(stack) -> float:
@@ -225,7 +227,7 @@ def test_voices_models_health_metrics(stack):
 
 
 def test_killing_the_serving_replica_keeps_the_same_audio(stack):
-    """Runs last in this module: it kills a codec replica (and restarts it)."""
+    """Runs last in this module: it kills a codec replica, and waits for the launcher to restart it."""
     body = {"model": "tts-1", "input": "Failover should be seamless for the listener.", "voice": "zoe",
             "response_format": "pcm", "seed": 777}
     undisturbed = httpx.post(f"{stack['url']}/v1/audio/speech", json=body, timeout=300).content
@@ -236,10 +238,9 @@ def test_killing_the_serving_replica_keeps_the_same_audio(stack):
             audio += chunk
             if killed is None and len(audio) > 2048 * 2 * 4:
                 killed = next(p for p in stack["replicas"] if scrape(p.metrics_port, "snac_active_streams") > 0)
-                killed.stop(signal.SIGKILL)
+                restarts = killed.restarts()
+                os.kill(killed.pid(), signal.SIGKILL)
     assert killed is not None
     assert len(audio) == len(undisturbed)
     assert _s16_diff(audio, undisturbed) <= 2, "resumed audio must match the undisturbed run (to s16 rounding)"
-    restarted = snac_process(killed.port).start(stack["logs"])
-    stack["replicas"][stack["replicas"].index(killed)] = restarted
-    restarted.wait_ready()
+    killed.wait_restarted(restarts + 1)  # the session's later tests use both replicas

@@ -1,6 +1,6 @@
 """`megapod up` end to end (the session's, conftest.megapod: 2 workers and 2 codec replicas as processes),
 driven through the front endpoint with the `openai` SDK and raw HTTP; a replica killed mid-stream;
-Ctrl-C, after every other test that uses the stack."""
+Ctrl-C with a stream in flight, after every other test that uses the stack."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import wave
 from pathlib import Path
@@ -25,7 +26,6 @@ from processes import scrape
 from llm_server.prompt import token_budget
 
 from megapod.launcher import Child, free_block, free_ports, probe
-from megapod.topology import MegaPodConfig
 
 
 def _wav_samples(data: bytes) -> int:
@@ -100,7 +100,8 @@ async def test_streams_cut_through_the_front_end_at_the_worker_and_its_engine(me
 
 async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
     before = _frames(megapod)
-    victims = [int(m) for m in re.findall(r"started snac-0 \(pid (\d+)\)", megapod["log"].read_text())]
+    replica = megapod["snac"][0]
+    victim, restarts = replica.pid(), replica.restarts()
 
     async def stream(http, i):
         r = await http.post("/v1/audio/speech", json={"model": "orpheus", "input": f"Keep talking through the failure, stream {i}.", "voice": "leo", "response_format": "wav"})
@@ -109,19 +110,15 @@ async def test_a_killed_replica_loses_no_audio_and_is_restarted(megapod):
 
     async def kill_soon():
         await asyncio.sleep(4)
-        os.kill(victims[-1], signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
 
     async with httpx.AsyncClient(base_url=megapod["url"], timeout=600) as http:
         lengths, _ = await asyncio.gather(asyncio.gather(*(stream(http, i) for i in range(4))), kill_soon())
     assert all(n > 0 and n % 2048 == 0 for n in lengths)
     assert sum(lengths) == 2048 * (_frames(megapod) - before), "no audio lost across the replica's death"
-    # The launcher logs the death when it notices it, which can be after the streams ended: wait for that
-    # line, then for the replica's ready line after it (the first start's ready line came before).
-    died = "snac-0 (pid %d) died with exit code -9 (1 in a row); restarting it in 0.5 s" % victims[-1]
-    deadline = time.monotonic() + 120
-    while "snac-0 ready" not in megapod["log"].read_text().partition(died)[2]:
-        assert time.monotonic() < deadline, "the dead replica was not restarted"
-        await asyncio.sleep(1)
+    # The launcher logs the death when it notices it, which can be after the streams ended.
+    replica.wait_restarted(restarts + 1, within_s=120)
+    assert f"snac-0 (pid {victim}) died with exit code -9" in megapod["log"].read_text()
 
 
 def test_the_front_keeps_an_idle_connection_past_a_client_pools_expiry(megapod):
@@ -158,19 +155,63 @@ def test_children_share_the_launchers_session_in_groups_of_their_own(megapod):
 
 
 @pytest.mark.stops_the_megapod
-def test_ctrl_c_stops_everything_without_a_kill(megapod):
-    """Each child drains on SIGTERM and exits by itself; the launcher kills one only past grace + 5 s
-    (MegaPodLauncher.stop), workers then replicas. The bound is that event, not a wall-clock figure
+def test_ctrl_c_drains_a_stream_in_flight_then_stops_everything_without_a_kill(megapod):
+    """Ctrl-C drains: the front first, then the workers (their streams need the codec tier), then the replicas,
+    each on SIGTERM. A stream in flight at a worker gets all its audio (as long as the same seed's undisturbed
+    run), the worker refuses new connections meanwhile, and every child exits by itself (code 0): the launcher
+    kills one only past grace + 5 s (Launcher.stop). The bounds are events, not wall-clock figures
     (a 20 s one failed beside `stress-ng --cpu 2`, with a load of 14)."""
-    text = megapod["log"].read_text()
-    children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", text)]
+    worker = megapod["llm"][0]
+    url = f"http://127.0.0.1:{worker.port}/v1/audio/speech"
+    # Random weights speak to the token budget: seconds of generation, long enough to be cut by the drain.
+    body = {"model": "tts-1", "input": "Draining should let this sentence finish before the worker exits.",
+            "voice": "leo", "response_format": "pcm", "seed": 4242}
+    undisturbed = httpx.post(url, json=body, timeout=300).content
+    audio, errors, flowing = bytearray(), [], threading.Event()
+
+    def listen() -> None:
+        try:
+            with httpx.stream("POST", url, json=body, timeout=300) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_raw():
+                    audio.extend(chunk)
+                    flowing.set()
+        except Exception as exc:  # reported by the main thread
+            errors.append(exc)
+            flowing.set()
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    assert flowing.wait(120) and not errors, errors
+    children = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", megapod["log"].read_text())]
     megapod["proc"].send_signal(signal.SIGINT)
-    megapod["proc"].wait(2 * (MegaPodConfig.default("grace_s") + 5) + 30)  # the launcher's own worst case, then its exit
+    refused_in_flight = _refused_while(listener.is_alive, f"http://127.0.0.1:{worker.port}/ready")
+    listener.join(180)
+    megapod["proc"].wait(2 * (megapod["grace_s"] + 5) + 30)  # the launcher's own worst case, then its exit
+    assert not errors, errors
+    assert refused_in_flight, "the worker did not refuse a new connection while its stream was in flight"
+    assert len(audio) == len(undisturbed) > 0, f"{len(audio)} bytes after the drain, {len(undisturbed)} undisturbed"
     assert megapod["proc"].returncode == 0
     log = megapod["log"].read_text()
     assert "all MegaPod processes stopped" in log and "killing it" not in log
+    assert all(f"{part.name} stopped with exit code 0" in log for part in megapod["llm"] + megapod["snac"]), log[-3000:]
+    assert "draining in-flight streams" in worker.log_path.read_text()
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def _refused_while(in_flight, ready_url: str) -> bool:
+    """Ask `ready_url` until its server refuses a connection; whether that came while in_flight() held."""
+    while in_flight():
+        try:
+            httpx.get(ready_url, timeout=2)
+            time.sleep(0.05)
+        # Refused; or accepted into the backlog as the listener closed, then reset or closed unanswered.
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            return in_flight()
+        except httpx.TimeoutException:  # accepted just before the listener closed, on a busy CPU: ask again
+            pass
+    return False
 
 
 # -- the launcher's Child (how `megapod up`, the tests and the benchmarks start servers) --------------

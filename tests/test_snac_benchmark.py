@@ -1,7 +1,8 @@
 """Smoke test of benchmarks/snac_tier.py: both modes run end to end at tiny sizes and write their JSON.
 
 Figures are not asserted beyond being positive: performance is claimed from benchmark runs,
-never from timed tests.
+never from timed tests. They run the tests' small codec (the real layout at 1/16 width): the same code
+paths for a fraction of the CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import TEST_CODEC
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "snac_tier.py"
 
@@ -29,11 +31,12 @@ def snac_tier():
 
 def test_both_policies_in_both_regimes_write_the_comparison(snac_tier, tmp_path):
     out = tmp_path / "tier.json"
-    returned = snac_tier.main(["--streams", "2", "--frames", "6", "--device", "cpu", "--out", str(out)])
+    returned = snac_tier.main(["--streams", "2", "--frames", "6", "--device", "cpu", "--model", TEST_CODEC, "--out", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
     for key in ("device", "streams", "frames_per_stream", "dtype", "max_batch", "provenance"):
         assert key in result, key
+    assert result["model"] == TEST_CODEC
     assert result["provenance"]["versions"]["torch"] and result["provenance"]["command"].endswith("--out " + str(out))
     assert set(result["regimes"]) == {"trickle", "unpaced"}
     for regime in result["regimes"].values():
@@ -47,7 +50,7 @@ def test_both_policies_in_both_regimes_write_the_comparison(snac_tier, tmp_path)
 def test_forward_sizes_times_each_size(snac_tier, tmp_path):
     """--forward-sizes: one decoder forward per size, ms per frame keyed by frames a forward."""
     out = tmp_path / "forward.json"
-    result = snac_tier.main(["--forward-sizes", "1,2", "--device", "cpu", "--out", str(out)])
+    result = snac_tier.main(["--forward-sizes", "1,2", "--device", "cpu", "--model", TEST_CODEC, "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     figures = result["ms_per_frame_by_forward_frames"]
     assert list(figures) == [4, 8] and all(ms > 0 for ms in figures.values())
@@ -57,7 +60,7 @@ def test_forward_sizes_times_each_size(snac_tier, tmp_path):
 def test_forward_sizes_by_threads_alone_and_beside_busy_loops(snac_tier, tmp_path):
     """--threads and --busy: each thread count timed alone and beside busy loops."""
     out = tmp_path / "threads.json"
-    result = snac_tier.main(["--forward-sizes", "1", "--threads", "1,2", "--busy", "1", "--device", "cpu", "--out", str(out)])
+    result = snac_tier.main(["--forward-sizes", "1", "--threads", "1,2", "--busy", "1", "--device", "cpu", "--model", TEST_CODEC, "--out", str(out)])
     by_threads = json.loads(out.read_text())["ms_per_frame_by_threads"]
     assert list(by_threads) == ["1", "2"]
     for runs in by_threads.values():

@@ -499,7 +499,8 @@ def _check_pcm(pcm: bytes, what: str) -> None:
         raise Failure(f"{what}: {len(samples)} samples, all zero")
 
 
-def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: dict, names: list[str]) -> str:
+def start_stack(engine: Engine, replicas: int, snac_model: str, ready_timeout_s: float, result: dict,
+                names: list[str]) -> str:
     llm_tag, snac_tag, front_tag = (IMAGES[name][1] for name in ("llm-server-cpu", "snac-server-cpu", "front"))
     ports = free_ports(2 * replicas + 2)
     snac_ports, metric_ports, (worker_port, front_port) = ports[:replicas], ports[replicas:2 * replicas], ports[-2:]
@@ -510,7 +511,7 @@ def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: d
         name = f"{CONTAINER_PREFIX}snac-{j}"
         names.append(name)
         engine(*common, "--name", name, snac_tag, "--host", "127.0.0.1", "--port", str(snac_ports[j]),
-               "--metrics-port", str(metric_ports[j]), "--device", "cpu", "--model", "random-24khz", capture=True)
+               "--metrics-port", str(metric_ports[j]), "--device", "cpu", "--model", snac_model, capture=True)
         checks[name] = f"grpc://127.0.0.1:{snac_ports[j]}"
     name = f"{CONTAINER_PREFIX}llm-0"
     names.append(name)
@@ -531,7 +532,7 @@ def start_stack(engine: Engine, replicas: int, ready_timeout_s: float, result: d
     ready = wait_ready(engine, checks, started, ready_timeout_s)
     result["stack"] = {"codec_replicas": replicas, "codec_addresses": snac, "worker_endpoint": worker,
                        "front_endpoint": endpoint,
-                       "llm_model": "tiny (random weights)", "snac_model": "random-24khz (random weights)",
+                       "llm_model": "tiny (random weights)", "snac_model": f"{snac_model} (random weights)",
                        "start_to_ready_s": ready, "all_ready_s": max(ready.values())}
     return endpoint
 
@@ -586,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", default=os.environ.get("MEGAPOD_IMAGES_ENGINE", "auto"),
                         choices=["auto", "podman", "docker"])
     parser.add_argument("--replicas", type=int, default=2, help="codec replica containers (default 2)")
+    parser.add_argument("--snac-model", default="random-24khz",
+                        help="the replicas' --model (default: the real SNAC layout, random weights; the tests give "
+                             "random-24khz-small, the same layout at 1/16 width)")
     parser.add_argument("--mirror-port", type=int, default=18765, help="the loopback PyPI mirror's port")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--result", type=Path, default=HERE / "result-cpu.json")
@@ -627,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.phase == "build":
             result["ok"] = True
             return 0
-        endpoint = start_stack(engine, args.replicas, args.ready_timeout_s, result, names)
+        endpoint = start_stack(engine, args.replicas, args.snac_model, args.ready_timeout_s, result, names)
         out = CACHE / "say.wav"
         result["megapod_say"] = megapod_say(endpoint, out)
         log(f"megapod say: {result['megapod_say']['audio_s']} s of audio, {result['megapod_say']['bytes']} bytes")
