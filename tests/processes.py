@@ -62,20 +62,29 @@ class Part:
         return self.log_dir / f"{self.name}.log"
 
     def pid(self) -> int:
-        return int(re.findall(rf"(?:started|restarted) {self.name} \(pid (\d+)\)", self.launcher_log.read_text())[-1])
+        return int(re.findall(rf"(?:started|restarted) {re.escape(self.name)} \(pid (\d+)\)", self._launcher_text())[-1])
 
     def restarts(self) -> int:
-        return len(re.findall(rf"restarted {self.name} \(pid", self.launcher_log.read_text()))
+        return len(re.findall(rf"restarted {re.escape(self.name)} \(pid", self._launcher_text()))
+
+    def deaths(self) -> int:
+        """Deaths the launcher has logged (it notices one within its supervision period, 0.5 s)."""
+        return len(re.findall(rf"{re.escape(self.name)} \(pid \d+\) died", self._launcher_text()))
 
     def wait_restarted(self, restarts: int, within_s: float = 300.0) -> None:
         """Until the launcher has restarted this part `restarts` times in all and the new one is ready."""
         deadline = time.monotonic() + within_s
-        while not (self.restarts() >= restarts and f"{self.name} ready" in self._log_since_restart(restarts)):
+        while True:
+            # what the launcher logged after this part's restarts-th restart ("" until it has happened)
+            since = "".join(self._launcher_text().split(f"restarted {self.name} (pid")[restarts:])
+            if f"{self.name} ready (" in since:
+                return
+            assert f"{self.name} did not come back" not in since, since[-2000:]
             assert time.monotonic() < deadline, f"{self.name} not back after {within_s:.0f} s"
             time.sleep(0.2)
 
-    def _log_since_restart(self, restarts: int) -> str:
-        return "".join(self.launcher_log.read_text().split(f"restarted {self.name} (pid")[restarts:])
+    def _launcher_text(self) -> str:
+        return self.launcher_log.read_text()
 
 
 def scrape(port: int, name: str, **labels: str) -> float:

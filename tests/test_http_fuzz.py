@@ -34,7 +34,7 @@ def stack(megapod):
     """Worker 0 of the session's `megapod up` (conftest.megapod), spoken to directly."""
     worker = megapod["llm"][0]
     parts = [worker, *megapod["snac"]]
-    return {"worker": worker, "url": f"http://127.0.0.1:{worker.port}", "parts": parts, "pids": [p.pid() for p in parts]}
+    return {"worker": worker, "url": f"http://127.0.0.1:{worker.port}", "parts": parts, "deaths": [p.deaths() for p in parts]}
 
 
 def _speech(stack, body=None, content=None, headers=None) -> httpx.Response:
@@ -294,7 +294,7 @@ def test_a_prompt_over_the_context_is_a_400_that_holds_nothing(stack, door):
 def test_still_healthy_and_no_stream_left_running(stack):
     """Runs last: whatever came before, the worker serves, and no stream or engine request is held."""
     port = stack["worker"].port
-    assert [p.pid() for p in stack["parts"]] == stack["pids"], "a worker or replica died (the launcher restarted it)"
+    assert [p.deaths() for p in stack["parts"]] == stack["deaths"], "the worker or a replica died"
     assert httpx.get(f"{stack['url']}/health").status_code == 200
     assert httpx.get(f"{stack['url']}/ready").status_code == 200
     assert wait_metric_zero(port, "orpheus_active_streams", within_s=30) == 0

@@ -233,14 +233,17 @@ def test_killing_the_serving_replica_keeps_the_same_audio(stack):
     undisturbed = httpx.post(f"{stack['url']}/v1/audio/speech", json=body, timeout=300).content
     killed = None
     audio = b""
-    with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
-        for chunk in r.iter_bytes():
-            audio += chunk
-            if killed is None and len(audio) > 2048 * 2 * 4:
-                killed = next(p for p in stack["replicas"] if scrape(p.metrics_port, "snac_active_streams") > 0)
-                restarts = killed.restarts()
-                os.kill(killed.pid(), signal.SIGKILL)
+    try:
+        with httpx.stream("POST", f"{stack['url']}/v1/audio/speech", json=body, timeout=300) as r:
+            for chunk in r.iter_bytes():
+                audio += chunk
+                if killed is None and len(audio) > 2048 * 2 * 4:
+                    killed = next(p for p in stack["replicas"] if scrape(p.metrics_port, "snac_active_streams") > 0)
+                    restarts = killed.restarts()
+                    os.kill(killed.pid(), signal.SIGKILL)
+    finally:
+        if killed is not None:
+            killed.wait_restarted(restarts + 1)  # the session's later tests use both replicas, pass or fail
     assert killed is not None
     assert len(audio) == len(undisturbed)
     assert _s16_diff(audio, undisturbed) <= 2, "resumed audio must match the undisturbed run (to s16 rounding)"
-    killed.wait_restarted(restarts + 1)  # the session's later tests use both replicas
