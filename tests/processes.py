@@ -119,8 +119,8 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
                grace_s: float | None = None) -> Iterator[dict]:
     """`megapod up` on free ports (real vLLM on the CPU, random weights), as a user runs it, until its
     front is ready; SIGINT (then SIGKILL of all it started) at the end: the benchmarks' LocalStack.
-    Yields proc (the Popen), log, url, llm and snac (each server as a Part), workers and replicas (counts),
-    max_streams (per worker), grace_s and ports (front, workers / snac / metrics: each tier's base port)."""
+    Yields proc (the Popen), log, url and front_port, llm and snac (each server as a Part), max_streams (per
+    worker) and grace_s."""
     # Imported here: pytest puts benchmarks/ on the path, test files run as scripts do not.
     from concurrency_bench.stack import LocalStack
 
@@ -135,13 +135,10 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
         stack.start()
         stack.wait_ready(420)  # the front serves once every worker and replica is ready
         config, parts = stack.config, stack.log_dir / stack.name
-        yield {"proc": stack.child.popen, "log": stack.child.log_path, "url": stack.url,
+        yield {"proc": stack.child.popen, "log": stack.child.log_path, "url": stack.url, "front_port": config.front_port,
                "llm": [Part(f"llm-{i}", p, p, parts, stack.child.log_path) for i, p in enumerate(config.worker_ports())],
                "snac": [Part(f"snac-{j}", p, config.snac_metrics_base_port + j, parts, stack.child.log_path)
                         for j, p in enumerate(config.snac_ports())],
-               "workers": config.workers, "replicas": config.replicas, "max_streams": config.max_streams_per_worker,
-               "grace_s": config.grace_s,
-               "ports": {"front": config.front_port, "workers": config.worker_base_port,
-                         "snac": config.snac_base_port, "metrics": config.snac_metrics_base_port}}
+               "max_streams": config.max_streams_per_worker, "grace_s": config.grace_s}
     finally:
         stack.stop(60)

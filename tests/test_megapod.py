@@ -35,7 +35,7 @@ def _wav_samples(data: bytes) -> int:
 
 
 def _frames(megapod) -> float:
-    return sum(scrape(megapod["ports"]["workers"] + i, "orpheus_frames_total") for i in range(2))
+    return sum(scrape(worker.port, "orpheus_frames_total") for worker in megapod["llm"])
 
 
 def test_random_weights_are_announced_loudly(megapod):
@@ -69,7 +69,7 @@ async def test_streams_cut_through_the_front_end_at_the_worker_and_its_engine(me
     The bound is a count, not a clock: once the workers hold nothing, the cut streams have generated less
     than half of one stream's token budget each (random weights speak to the budget), and the workers
     counted them as disconnected. (An uncut reference stream raced the cuts and lost once on a faster CPU.)"""
-    ports = [megapod["ports"]["workers"] + i for i in range(megapod["workers"])]
+    ports = [worker.port for worker in megapod["llm"]]
     text = "This sentence is long enough that its speech takes the tiny model many seconds to generate."
     body = {"model": "orpheus", "voice": "tara", "response_format": "pcm", "input": text}
 

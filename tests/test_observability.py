@@ -553,7 +553,7 @@ async def _speak_and_be_refused(stack: dict) -> tuple[int, int]:
     workers) while a second comes through the front: every worker refuses it, so the front does.
     Returns (audio bytes of the first, status of the second)."""
     body = {"model": "tts-1", "input": "Hello there, operator.", "voice": "tara", "response_format": "pcm"}
-    workers = [stack["ports"]["workers"] + i for i in range(stack["workers"])]
+    workers = [worker.port for worker in stack["llm"]]
     async with httpx.AsyncClient(base_url=stack["url"], timeout=300) as http:
         first = await http.post("/v1/audio/speech", json=body)
         assert first.status_code == 200
@@ -563,8 +563,8 @@ async def _speak_and_be_refused(stack: dict) -> tuple[int, int]:
         finally:
             for ws in sockets:  # a barge-in: the worker frees the slots at once
                 await ws.close()
-    for i in range(stack["workers"]):  # the session's other tests get a free stack
-        assert wait_metric_zero(stack["ports"]["workers"] + i, "orpheus_active_streams", within_s=60) == 0
+    for port in workers:  # the session's other tests get a free stack
+        assert wait_metric_zero(port, "orpheus_active_streams", within_s=60) == 0
     return len(first.content), second.status_code
 
 
@@ -572,9 +572,8 @@ async def _speak_and_be_refused(stack: dict) -> tuple[int, int]:
 def exported(stack) -> dict[str, Scrape]:
     received, refused = asyncio.run(_speak_and_be_refused(stack))
     assert received > 0 and refused == 429
-    ports = stack["ports"]
-    return {"worker": Scrape(*(ports["workers"] + i for i in range(stack["workers"]))),
-            "codec": Scrape(*(ports["metrics"] + j for j in range(stack["replicas"]))), "front": Scrape(ports["front"])}
+    return {"worker": Scrape(*(worker.metrics_port for worker in stack["llm"])),
+            "codec": Scrape(*(replica.metrics_port for replica in stack["snac"])), "front": Scrape(stack["front_port"])}
 
 
 def test_speech_gives_the_histograms_samples(exported) -> None:

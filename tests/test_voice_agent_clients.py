@@ -20,10 +20,9 @@ CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
 @pytest.fixture(scope="module")
 def stack(megapod):
     """The session's `megapod up` (conftest.megapod): its front, and every worker's and replica's metrics."""
-    ports = megapod["ports"]
     return {"front": megapod["url"],
-            "workers": [f"http://127.0.0.1:{ports['workers'] + i}/metrics" for i in range(megapod["workers"])],
-            "replicas": [f"http://127.0.0.1:{ports['metrics'] + j}/metrics" for j in range(megapod["replicas"])]}
+            "workers": [f"http://127.0.0.1:{worker.metrics_port}/metrics" for worker in megapod["llm"]],
+            "replicas": [f"http://127.0.0.1:{replica.metrics_port}/metrics" for replica in megapod["snac"]]}
 
 
 def test_the_frameworks_own_clients_work_unchanged(stack):

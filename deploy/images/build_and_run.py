@@ -587,9 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", default=os.environ.get("MEGAPOD_IMAGES_ENGINE", "auto"),
                         choices=["auto", "podman", "docker"])
     parser.add_argument("--replicas", type=int, default=2, help="codec replica containers (default 2)")
-    parser.add_argument("--snac-model", default="random-24khz",
-                        help="the replicas' --model (default: the real SNAC layout, random weights; the tests give "
-                             "random-24khz-small, the same layout at 1/16 width)")
+    # Random weights only (snac_server.codec_model.RANDOM_MODELS): the containers have no network for a checkpoint.
+    parser.add_argument("--snac-model", default="random-24khz", choices=["random-24khz", "random-24khz-small"],
+                        help="the replicas' --model (default: the real SNAC layout; the tests give the same layout "
+                             "at 1/16 width)")
     parser.add_argument("--mirror-port", type=int, default=18765, help="the loopback PyPI mirror's port")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--result", type=Path, default=HERE / "result-cpu.json")
