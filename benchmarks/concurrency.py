@@ -361,7 +361,7 @@ def print_summary(result: dict, prefix: Path) -> None:
 def _describe_target(t: Target) -> dict:
     out = {"name": t.name, "url": t.endpoint.url, "gpus": t.gpus, "launched": t.stack is not None}
     if t.stack:
-        out.update({"megapod_up": " ".join(["megapod", *t.stack.argv[3:]]), "topology": t.stack.topology,
+        out.update({"megapod_up": t.stack.command, "topology": t.stack.topology,
                     "startup_s": round(t.stack.startup_s or 0, 1)})
     return out
 

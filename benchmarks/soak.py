@@ -1,7 +1,9 @@
 """Soak: the local CPU stack at most of its capacity for a set time. Is any audio lost, does anything fail,
 does memory grow?
 
-Starts `megapod up` on free ports (LocalStack, as the concurrency benchmark does), warms it up, then
+Starts `megapod up` on free ports (LocalStack, as the concurrency benchmark does), or with `--attach PID` soaks
+one already running (its workers' cap fixed; every slot beyond `--max-streams` is held by a silent Cartesia
+context for the whole soak, so the bigger stack refuses where the soak's own would), warms it up, then
 drives `--concurrency` closed-loop streams (the concurrency benchmark's load client and corpus)
 through the front endpoint for `--minutes`, with the worker's admission cap set to that
 concurrency, plus a trickle of over-cap probes (and, with `--disconnect-every-s`, clients that
@@ -34,6 +36,7 @@ Run from the repository root:
     .venv/bin/python benchmarks/soak.py --minutes 10
     .venv/bin/python benchmarks/soak.py --minutes 0.5 --out /tmp/soak.json     # a quick check
     .venv/bin/python benchmarks/soak.py --minutes 0.5 --doors 5 --overload --out benchmarks/results/doors-cpu.json
+    .venv/bin/python benchmarks/soak.py --minutes 0.5 --attach "$(pgrep -o -f 'megapod up')"   # a stack already up
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--megapod-args", default="--replicas 2 --enforce-eager true", help="more `megapod up` flags")
+    p.add_argument("--attach", type=int, default=None, metavar="PID",
+                   help="soak a `megapod up` already running (its pid; workers with a fixed cap) instead of starting "
+                        "one: the slots beyond --max-streams are held by silent contexts, and it is left running")
     p.add_argument("--memory-every-s", type=float, default=5.0, help="RSS sampling period")
     p.add_argument("--replays", type=int, default=3, help="replies replayed at the end with the same seed (0: none)")
     p.add_argument("--doors", type=int, default=0, metavar="N",
@@ -163,7 +169,7 @@ class MemoryWatch:
 
     def _tree(self) -> list[psutil.Process]:
         try:
-            root = psutil.Process(self.stack.child.pid)
+            root = psutil.Process(self.stack.pid)
             return [root, *root.children(recursive=True)]
         except psutil.Error:
             return []
@@ -175,7 +181,7 @@ class MemoryWatch:
         return self.labels[proc.pid]
 
     def _name(self, proc: psutil.Process) -> str:
-        if proc.pid == self.stack.child.pid:
+        if proc.pid == self.stack.pid:
             return "front"  # `megapod up`: the launcher and the front endpoint in one process
         cfg = self.stack.config
         tops = {**{f"llm-{i}": p for i, p in enumerate(cfg.worker_ports())},
@@ -352,7 +358,7 @@ def _openai_error(body: bytes) -> bool:
 
 async def health(stack: LocalStack) -> dict[str, Any]:
     """/health and /ready of the front and every worker, and the launcher still running."""
-    host, out = stack.config.host, {"launcher_running": stack.child.alive()}
+    host, out = stack.config.host, {"launcher_running": stack.running()}
     urls = {"front": stack.url, **{f"llm-{i}": f"http://{host}:{p}" for i, p in enumerate(stack.config.worker_ports())}}
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
         for name, url in urls.items():
@@ -513,42 +519,98 @@ async def _barge_ins(stack: LocalStack, trials: int) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
         for k in range(trials):
             await stack.wait_idle()
-            runs.append(await _barge_in(stack.url.replace("http://", "ws://") + "/tts/websocket", client, urls, k))
+            runs.append(await _barge_in(stack.url.replace("http://", "ws://") + "/tts/websocket", client, urls, k,
+                                        stack.held))
     released = [r["released_s"] for r in runs if r["released_s"] is not None]
     return {"runs": runs, "all_released": len(released) == len(runs),
             "released_s": percentiles(released, (50, 95, 100), 4)}
 
 
-async def _barge_in(ws_url: str, client: httpx.AsyncClient, urls: list[str], k: int) -> dict[str, Any]:
-    """One context cancelled at its first chunk: seconds until nothing is held (None: still held at the deadline)."""
+async def _barge_in(ws_url: str, client: httpx.AsyncClient, urls: list[str], k: int,
+                    baseline: dict[str, float]) -> dict[str, Any]:
+    """One context cancelled at its first chunk: seconds until it holds nothing (None: still held at the deadline)."""
     context = f"barge-{k}"
-    message = {"transcript": LONG_TEXT, "continue": False, "context_id": context, "model_id": "sonic-3",
-               "voice": {"mode": "id", "id": "tara"},
-               "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
     async with connect(ws_url, additional_headers={"X-API-Key": "unused"}) as ws:
         t_sent = time.perf_counter()
-        await ws.send(json.dumps(message))
+        await ws.send(cartesia_message(context, LONG_TEXT, more=False))
         while not ((reply := json.loads(await ws.recv()))["type"] == "chunk" and base64.b64decode(reply["data"])):
             pass
-        first_chunk_s, during = time.perf_counter() - t_sent, await _held(client, urls)
+        first_chunk_s, during = time.perf_counter() - t_sent, await _held(client, urls, baseline)
         t_cancel = time.perf_counter()
         await ws.send(json.dumps({"context_id": context, "cancel": True}))
         released_s = None
         while time.perf_counter() - t_cancel < RELEASE_DEADLINE_S:  # each poll's scrape counts: an upper bound
-            if not any((await _held(client, urls)).values()):
+            if not any((await _held(client, urls, baseline)).values()):
                 released_s = round(time.perf_counter() - t_cancel, 4)
                 break
             await asyncio.sleep(0.01)
     return {"first_chunk_s": round(first_chunk_s, 4), "held_at_cancel": during, "released_s": released_s}
 
 
-async def _held(client: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
-    totals = dict.fromkeys(HELD, 0.0)
+async def _held(client: httpx.AsyncClient, urls: list[str], baseline: dict[str, float]) -> dict[str, float]:
+    """What the stack holds beyond the baseline (the slots a SlotHolder keeps taken)."""
+    totals = {name: -baseline.get(name, 0.0) for name in HELD}
     for page in [(await client.get(u)).text for u in urls]:
         for name in HELD:
             value = gauge(page, name)
             totals[name] += 0.0 if math.isnan(value) else value  # a page without the gauge holds none
     return totals
+
+
+def cartesia_message(context_id: str, transcript: str, more: bool) -> str:
+    """A Cartesia context's text (`more`: the context stays open), raw PCM at 24 kHz."""
+    return json.dumps({"transcript": transcript, "continue": more, "context_id": context_id, "model_id": "sonic-3",
+                       "voice": {"mode": "id", "id": "tara"},
+                       "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
+
+
+# -- an attached stack's spare slots ---------------------------------------------------------------
+
+
+class SlotHolder:
+    """Takes every stream slot of the stack beyond the soak's own `keep` and holds it until the soak ends,
+    with Cartesia contexts that have no text yet (a context keeps its slot until its client ends it; it
+    generates nothing). A bigger stack the soak is attached to then refuses over-cap requests exactly where
+    its own one-worker stack would. The slots kept free go to the first workers, whole."""
+
+    def __init__(self, stack: LocalStack, keep: int) -> None:
+        self.stack, self.keep = stack, keep
+        self.sockets: list[Any] = []
+        self.count = 0
+
+    async def __aenter__(self) -> SlotHolder:
+        cfg = self.stack.config
+        cap = cfg.max_streams_per_worker
+        if cap is None or cfg.min_streams_per_worker != cap:
+            raise SystemExit("the stack's workers need a fixed cap (--min-streams-per-worker = "
+                             "--max-streams-per-worker) for the soak to hold the slots beyond its own")
+        if self.keep > cap * cfg.workers:
+            raise SystemExit(f"--max-streams {self.keep} is more than the stack's {cap * cfg.workers} slots")
+        free = self.keep
+        for port in cfg.worker_ports():
+            hold = cap - min(cap, free)
+            free -= cap - hold
+            if hold:
+                ws = await connect(f"ws://{cfg.host}:{port}/tts/websocket", additional_headers={"X-API-Key": "unused"})
+                self.sockets.append(ws)
+                for k in range(hold):
+                    await ws.send(cartesia_message(f"held-{k}", "", more=True))
+                self.count += hold
+        deadline = time.perf_counter() + 60.0
+        while (await self.stack.worker_metrics("orpheus_active_streams"))["orpheus_active_streams"] < self.count:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the stack did not take the {self.count} held contexts within 60 s")
+            await asyncio.sleep(0.1)
+        self.stack.held = {"orpheus_active_streams": float(self.count)}
+        if self.count:
+            print(f"holding {self.count} slots of the stack's {cap * cfg.workers}: {self.keep} left for the soak",
+                  file=sys.stderr, flush=True)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for ws in self.sockets:
+            await ws.close()  # the socket gone ends its contexts: their slots are free again
+        self.stack.held = {}
 
 
 # -- judging --------------------------------------------------------------------------------------
@@ -665,26 +727,30 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     # first minute of the soak in our runs (new batch and window shapes) and kept rising, more slowly, over
     # the 10-minute run: read the second-half slope.
     shortest = sorted(corpus.utterances, key=lambda u: len(u.text))
-    await warm_up(endpoint, [u.text for u in shortest[: 2 * args.concurrency]], args.concurrency, args.read_timeout_s)
-    await stack.wait_idle()
-    frames_before = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"]
-    memory = MemoryWatch(stack, args.memory_every_s).start()  # "start" = after warm-up
-    cpu_before = cpu_snapshot([stack])
-    level = SoakLevel(endpoint, shape, corpus, args.concurrency, args.minutes * 60, args.probe_every_s,
-                      args.disconnect_every_s, args.drain_timeout_s)
-    run = await level.run_level()
-    idle_wait_s = await stack.wait_idle()
-    cores = cpu_cores(cpu_before, cpu_snapshot([stack]))
-    frames = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"] - frames_before
-    memory.stop()
+    async with SlotHolder(stack, args.max_streams):  # nothing to hold on the soak's own stack
+        await warm_up(endpoint, [u.text for u in shortest[: 2 * args.concurrency]], args.concurrency,
+                      args.read_timeout_s)
+        await stack.wait_idle()
+        frames_before = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"]
+        memory = MemoryWatch(stack, args.memory_every_s).start()  # "start" = after warm-up
+        cpu_before = cpu_snapshot([stack])
+        level = SoakLevel(endpoint, shape, corpus, args.concurrency, args.minutes * 60, args.probe_every_s,
+                          args.disconnect_every_s, args.drain_timeout_s)
+        run = await level.run_level()
+        idle_wait_s = await stack.wait_idle()
+        cores = cpu_cores(cpu_before, cpu_snapshot([stack]))
+        frames = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"] - frames_before
+        memory.stop()
+        replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
+        door = await doors(stack, args.doors) if args.doors else None
+        flood = await overload(stack, endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
+                               args.read_timeout_s) if args.overload else None
+    released_wait_s = await stack.wait_idle()  # the held slots, freed
     held = await stack.worker_metrics("orpheus_active_streams", "orpheus_engine_unfinished_requests")
     end_state = {"active_streams": held["orpheus_active_streams"],
                  "engine_unfinished": held["orpheus_engine_unfinished_requests"],
-                 "idle_wait_s": round(idle_wait_s, 2), "health": await health(stack)}
-    replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
-    door = await doors(stack, args.doors) if args.doors else None
-    flood = await overload(stack, endpoint, corpus, args.max_streams, args.overload_rounds, args.flood_burst,
-                           args.read_timeout_s) if args.overload else None
+                 "idle_wait_s": round(idle_wait_s, 2), "released_wait_s": round(released_wait_s, 2),
+                 "health": await health(stack)}
     return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run),
             "probes": probe_summary(level.probes), "audio": audio_check(run, level.probes, frames),
             "replays": replays, "doors": door, "overload": flood, "memory": memory.summary(), "end_state": end_state, "cores": cores,
@@ -697,17 +763,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     corpus = load_corpus(args.corpus, tuple(k.strip() for k in args.kinds.split(",")), args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="soak-"))
-    flags = [*shlex.split(args.megapod_args), "--workers", "1", "--max-streams-per-worker", str(args.max_streams),
-             "--min-streams-per-worker", str(args.max_streams)]  # a fixed cap: the overload phase probes it
-    stack = LocalStack("soak", flags, log_dir)
-    stack.plan(set())
+    if args.attach:
+        stack = LocalStack.attach(args.attach, log_dir)
+    else:
+        flags = [*shlex.split(args.megapod_args), "--workers", "1", "--max-streams-per-worker", str(args.max_streams),
+                 "--min-streams-per-worker", str(args.max_streams)]  # a fixed cap: the overload phase probes it
+        stack = LocalStack("soak", flags, log_dir)
+        stack.plan(set())
     load_start = [round(x, 2) for x in os.getloadavg()]
     failed = True
     try:
-        print(f"starting: megapod {' '.join(stack.argv[3:])}", file=sys.stderr, flush=True)
-        stack.start()
-        print(f"ready after {stack.wait_ready():.0f} s; soaking {args.minutes:g} min at {args.concurrency} streams "
-              f"(cap {args.max_streams})", file=sys.stderr, flush=True)
+        if args.attach:
+            print(f"attached to pid {args.attach}: {stack.command}", file=sys.stderr, flush=True)
+        else:
+            print(f"starting: {stack.command}", file=sys.stderr, flush=True)
+            stack.start()
+            print(f"ready after {stack.wait_ready():.0f} s", file=sys.stderr, flush=True)
+        print(f"soaking {args.minutes:g} min at {args.concurrency} streams (cap {args.max_streams})",
+              file=sys.stderr, flush=True)
         measured = asyncio.run(soak(args, stack, corpus))
         failed = False
     finally:
@@ -722,8 +795,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "soak",
         "provenance": record(report.PACKAGES, argv),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "megapod_up": " ".join(["megapod", *stack.argv[3:]]), "topology": stack.topology,
-        "startup_s": round(stack.startup_s or 0, 1), "corpus": corpus.describe(),
+        "megapod_up": stack.command, "attached": bool(args.attach),
+        "topology": stack.topology, "startup_s": round(stack.startup_s, 1) if stack.startup_s else None,
+        "corpus": corpus.describe(),
         "contention": {"load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         **measured,
     }

@@ -1,8 +1,10 @@
-"""Smoke test of benchmarks/soak.py with its after-phases: a short soak of `megapod up` (real vLLM on CPU,
-two codec replicas), then --doors (time to first byte by format, a barge-in) and --overload (the held
+"""Smoke test of benchmarks/soak.py with its after-phases, attached to the session's `megapod up` (real vLLM on
+CPU, two workers, two codec replicas; --attach): a short soak with a cap of one stream (the stack's other slots
+held by silent contexts), then --doors (time to first byte by format, a barge-in) and --overload (the held
 slot under a flood, /health beside it). Asserts what the soak judges (no audio lost, every refusal a 429,
-the barge-in's resources freed) and that the JSON holds every figure; performance is claimed from
-benchmark runs, never from timed tests."""
+the barge-in's resources freed, the held slots given back) and that the JSON holds every figure; performance
+is claimed from benchmark runs, never from timed tests. The soak's own stack (without --attach) is the same
+LocalStack as the session's."""
 
 from __future__ import annotations
 
@@ -11,22 +13,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from processes import TEST_CODEC
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 FORMATS = ["pcm", "wav", "mp3", "opus", "aac", "flac"]
 
 
-def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(tmp_path):
+def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(megapod, tmp_path):
     out = tmp_path / "soak.json"
     done = subprocess.run([sys.executable, str(BENCHMARK), "--minutes", "0.1", "--concurrency", "1", "--doors", "1",
                            "--overload", "--overload-rounds", "2", "--replays", "1", "--kinds", "short",
-                           "--megapod-args", f"--replicas 2 --enforce-eager true --snac-model {TEST_CODEC}",
-                           "--out", str(out)],
+                           "--attach", str(megapod["proc"].pid), "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["passed"] and not result["failures"]
+    held = 2 * megapod["max_streams"] - 1  # every slot of the two workers but the soak's one
+    assert f"holding {held} slots" in done.stderr and result["attached"] and result["config"]["max_streams"] == 1
     assert result["audio"]["exact"] and result["audio"]["samples_lost"] == 0 and result["audio"]["frames_generated"] > 0
     assert result["replays"] and all(r["same"] for r in result["replays"])
     ttfb = result["doors"]["ttfb_s"]
@@ -41,5 +43,5 @@ def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(tmp_
     for flooded in [run["flood"] for run in runs if run["flooded"]]:
         assert flooded["requests"] > 0 and set(flooded["statuses"]) <= {"429", "200"} and flooded["statuses"]["429"] > 0
         assert flooded["health_latency_s"]["p50"] is not None
-    end = result["end_state"]
+    end = result["end_state"]  # after the soak let its held slots go
     assert end["active_streams"] == 0 and end["engine_unfinished"] == 0 and end["health"]["ok"]

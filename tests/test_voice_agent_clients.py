@@ -31,6 +31,7 @@ def test_the_frameworks_own_clients_work_unchanged(stack):
     env = {**os.environ, "MEGAPOD_URL": stack["front"], "MEGAPOD_WORKER_METRICS": ",".join(stack["workers"]),
            "MEGAPOD_SNAC_METRICS": ",".join(stack["replicas"])}
     env.pop("PYTHONPATH", None)
+    env.pop("PYTEST_ADDOPTS", None)  # this run's pytest options (plugins, -k) are not the clients' run's
     done = subprocess.run([str(CLIENTS_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "client_tests"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     print(done.stdout[-6000:])

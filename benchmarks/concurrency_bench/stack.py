@@ -37,9 +37,31 @@ class LocalStack:
     log_dir: Path
     argv: list[str] = field(default_factory=list)
     config: MegaPodConfig | None = None  # what `argv` starts, as `megapod up` parses it
-    child: Child | None = None  # the `megapod up` process
+    child: Child | None = None  # the `megapod up` process, when started here
+    attached: psutil.Process | None = None  # the `megapod up` process, when someone else started it (attach)
     procs: dict[int, psutil.Process] = field(default_factory=dict)  # everything seen under ours, by pid
     startup_s: float | None = None
+    # Gauges that others hold on purpose (e.g. slots the soak keeps taken): idle means down to these, not 0.
+    held: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def attach(cls, pid: int, log_dir: Path) -> LocalStack:
+        """A `megapod up` already running, started by someone else: its settings read from its own command
+        line and environment. Measured and driven here; never stopped here."""
+        proc = psutil.Process(pid)
+        argv = proc.cmdline()
+        if "up" not in argv:
+            raise ValueError(f"pid {pid} is not `megapod up`: {' '.join(argv)[:200]}")
+        flags = argv[argv.index("up") + 1:]
+        config = MegaPodConfig.from_cli(flags, environ=proc.environ())
+        return cls("attached", flags, log_dir, argv=argv, config=config, attached=proc)
+
+    @property
+    def pid(self) -> int:
+        return self.attached.pid if self.attached else self.child.pid
+
+    def running(self) -> bool:
+        return self.attached.is_running() if self.attached else self.child.alive()
 
     def plan(self, taken: set[int]) -> None:
         """Choose ports and build the command line; `taken` collects every port used."""
@@ -58,6 +80,11 @@ class LocalStack:
         return self.config.model_dump()
 
     @property
+    def command(self) -> str:
+        """The stack's command line as a user types it: `megapod up --workers 1 ...`."""
+        return " ".join(["megapod", *self.argv[self.argv.index("up"):]])
+
+    @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.config.front_port}"
 
@@ -74,11 +101,12 @@ class LocalStack:
         return self.startup_s
 
     async def wait_idle(self, timeout_s: float = 60.0) -> float:
-        """Until no worker has a stream or an engine request left (cancelled ones drain); returns seconds waited."""
+        """Until no worker has a stream or an engine request left (cancelled ones drain) beyond those `held`
+        on purpose; returns seconds waited."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout_s:
-            held = await self.worker_metrics("orpheus_active_streams", "orpheus_engine_unfinished_requests")
-            if all(v == 0 for v in held.values()):
+            now = await self.worker_metrics("orpheus_active_streams", "orpheus_engine_unfinished_requests")
+            if all(v <= self.held.get(name, 0.0) for name, v in now.items()):  # nan (unreadable): not idle
                 break
             await asyncio.sleep(0.25)
         return time.perf_counter() - t0
@@ -96,9 +124,9 @@ class LocalStack:
 
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
-        if self.child is not None and self.child.alive():
+        if (self.child or self.attached) and self.running():
             try:
-                root = psutil.Process(self.child.pid)
+                root = psutil.Process(self.pid)
                 for proc in (root, *root.children(recursive=True)):
                     self.procs.setdefault(proc.pid, proc)
             except psutil.Error:
@@ -122,7 +150,10 @@ class LocalStack:
         return 1 if cuda else 0
 
     def stop(self, timeout_s: float = 90.0) -> None:
-        """SIGINT the launcher (it drains workers, then replicas); SIGKILL anything of ours left after."""
+        """SIGINT the launcher (it drains workers, then replicas); SIGKILL anything of ours left after.
+        An attached stack is left running: whoever started it stops it."""
+        if self.attached:
+            return
         self.remember()
         if self.child is not None:
             self.child.stop(signal.SIGINT, timeout_s)
