@@ -21,9 +21,10 @@ import httpx
 import openai
 import pytest
 
-from processes import scrape
+from processes import MAX_MODEL_LEN, scrape
 
-from llm_server.prompt import token_budget
+from llm_server.config import LlmServerConfig
+from llm_server.prompt import split_sentences, token_budget
 
 from megapod.launcher import Child, free_block, free_ports, probe
 
@@ -66,11 +67,25 @@ async def test_concurrent_streams_spread_over_both_workers(megapod):
 async def test_streams_cut_through_the_front_end_at_the_worker_and_its_engine(megapod):
     """Barge-in through the front (issue 28): four streams cut after their first chunk kept their worker
     streams and engine requests to their natural end (79 of 120 cut-and-retry requests then met the cap).
-    The bound is a count, not a clock: once the workers hold nothing, the cut streams have generated less
-    than half of one stream's token budget each (random weights speak to the budget), and the workers
-    counted them as disconnected. (An uncut reference stream raced the cuts and lost once on a faster CPU.)"""
+    The bound is a count, not a clock: each input is five sentences, each a segment that random weights speak
+    to its token cap (its budget, within the workers' 1,024-token context), so running on would generate five
+    caps; once the workers hold nothing, the four cut streams have generated less than two contexts' worth
+    each, and the workers counted them as disconnected. (The bound was half of one short segment's budget: on
+    the loaded two cores a cut stream generated 465 tokens of 918 before its abort landed.)"""
     ports = [worker.port for worker in megapod["llm"]]
-    text = "This sentence is long enough that its speech takes the tiny model many seconds to generate."
+    sentences = ("This first sentence is long enough that its speech takes the tiny model many seconds to generate, "
+                 "because random weights never choose to stop speaking before the budget of the text is spent.",
+                 "The second sentence is here so that a stream which kept on going after its listener had left would "
+                 "go on to speak it as well, at the cost of another long segment of tokens that nobody will hear.",
+                 "A third sentence moves the natural end of every stream further away again, so that the distance "
+                 "between an abort that lands at once and no abort at all is many thousands of generated tokens.",
+                 "The fourth sentence is one more segment of speech that no listener is waiting for, generated only "
+                 "if the worker or its engine failed to notice that the client went away after its first chunk.",
+                 "And the fifth sentence ends the input, five segments in all, each with a token budget larger than "
+                 "the context of the session's workers allows, so that each of them is spoken to the workers' cap.")
+    text = " ".join(sentences)
+    assert split_sentences(text, LlmServerConfig().max_segment_chars) == list(sentences)
+    assert all(token_budget(sentence) > MAX_MODEL_LEN for sentence in sentences)  # each spoken to its cap
     body = {"model": "orpheus", "voice": "tara", "response_format": "pcm", "input": text}
 
     def total(name: str) -> float:
@@ -94,7 +109,8 @@ async def test_streams_cut_through_the_front_end_at_the_worker_and_its_engine(me
     while await asyncio.to_thread(held):  # an unreleased stream ends too, at its budget: the counts below tell
         await asyncio.sleep(0.05)
     spent = await asyncio.to_thread(total, "orpheus_generated_tokens_total") - tokens_before
-    assert spent < 4 * token_budget(text) / 2, f"the cut streams generated {spent} tokens; each may generate {token_budget(text)}"
+    assert spent < 4 * 2 * MAX_MODEL_LEN, (f"the cut streams generated {spent} tokens: more than two {MAX_MODEL_LEN}-token "
+                                           f"contexts each, of the five segments running on would have spoken")
     assert await asyncio.to_thread(disconnected) - disconnected_before == 4
 
 
