@@ -14,6 +14,10 @@ STAMP  := $(VENV)/.installed
 CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 ENGINE_STAMP  := $(VENV)/.container-engine
+# The CUDA image's vLLM release, its Python files only: the tests build its config objects from the GPU
+# profiles (tests/test_engine_profiles.py) beside the CPU build that runs here.
+VLLM_GPU       := .vllm-gpu
+VLLM_GPU_STAMP := $(VLLM_GPU)/.installed
 
 .PHONY: serve test install proto clean test-images gpu-kit
 
@@ -38,6 +42,10 @@ $(CLIENTS_STAMP): client_tests/requirements.txt
 	$(CLIENTS)/bin/python -m pip install --quiet -r client_tests/requirements.txt
 	touch $(CLIENTS_STAMP)
 
+$(VLLM_GPU_STAMP): $(STAMP) deploy/docker/cuda-pins.txt deploy/tools/fetch_vllm_gpu.py
+	$(BIN)/python deploy/tools/fetch_vllm_gpu.py $(VLLM_GPU)
+	touch $(VLLM_GPU_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/megapod up
 
@@ -46,7 +54,7 @@ serve: $(STAMP)
 # -n 2 --dist loadgroup: two pytest-xdist workers; the tests of a shared stack or of one module stay in one,
 # longest groups first (tests/conftest.py gives the groups and their order; --no-loadscope-reorder keeps it).
 # --durations: where the time goes, in every run's log.
-test: $(STAMP) $(CLIENTS_STAMP) $(ENGINE_STAMP)
+test: $(STAMP) $(CLIENTS_STAMP) $(ENGINE_STAMP) $(VLLM_GPU_STAMP)
 	MEGAPOD_TEST_IMAGES=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=30
 
 # A container engine for the images test: podman (runc, overlay) and debootstrap for the base
@@ -70,7 +78,7 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) $(CLIENTS) build *.egg-info
+	rm -rf $(VENV) $(CLIENTS) $(VLLM_GPU) build *.egg-info
 
 # The GPU kit: the codec tier's wheels a bare GPU node (CPython 3.12, x86-64, torch but no snac and no
 # network) lacks, into .gpu-kit/ (git-ignored; it travels with the checkout). There, one command:

@@ -97,6 +97,14 @@ class LlmServerConfig(Settings):
     dtype: str = "auto"
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int = 2048
+    # Tokens one engine step may hold (decodes plus chunks of new prompts; chunked prefill): unset, vLLM's
+    # default. Room for a new prompt's chunk beside a full batch of decodes keeps admitted streams real time.
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    # vLLM schedules step n+1 while step n runs: unset, vLLM decides (0.33: on wherever it is supported).
+    async_scheduling: bool | None = None
+    # The largest batch a CUDA Graph is captured for (vLLM's max_cudagraph_capture_size): unset, vLLM's
+    # default, min(2 x max_num_seqs, 512); a decode step of more streams runs without a graph.
+    max_cudagraph_capture_size: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gb: float = 2.0
     enable_prefix_caching: bool = True

@@ -9,6 +9,7 @@ with values taken from here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -74,17 +75,25 @@ def _cluster_megapod(**changes: object) -> MegaPodConfig:
     return MegaPodConfig(**{**base, **changes})  # type: ignore[arg-type]
 
 
+# The engine of an H100 worker at full tilt (values.yaml says why each): 512 streams a step, CUDA Graphs up to
+# that batch, a step's tokens for 512 decodes and a 512-token chunk of new prompts, async scheduling.
+# tests/test_engine_profiles.py builds vLLM 0.33's configs from the rendered profiles.
+FULL_TILT = {"max_num_seqs": 512, "max_cudagraph_capture_size": 512, "max_num_batched_tokens": 1024,
+             "async_scheduling": True}
 # One 8-GPU node: 7 LLM workers on a GPU each, 3 SNAC replicas on MIG instances of the 8th. Decode
 # attention runs TensorRT-LLM's XQA kernel through FlashInfer (the image carries its cubins).
 H100 = ClusterProfile(
     name="h100",
     megapod=_cluster_megapod(workers=7, replicas=3, llm_device="cuda", snac_device="cuda",
-                             attention_backend="FLASHINFER", trtllm_attention="on"),
+                             attention_backend="FLASHINFER", trtllm_attention="on", **FULL_TILT),
     values_file="values.yaml",
     gpus_per_node=8,
     llm_accelerator=WHOLE_GPU,
     snac_accelerator=MIG_PREFIX + "2g.20gb",
 )
+# The same node with FP8: weights quantized as they load and an FP8 (e4m3) KV cache (values-h100-fp8.yaml).
+H100_FP8 = dataclasses.replace(H100, name="h100-fp8", values_file="values-h100-fp8.yaml",
+                               megapod=H100.megapod.replace(quantization="fp8_per_tensor", kv_cache_dtype="fp8"))
 # No GPU: fewer, smaller pods; eager engine (the CPU image ships no compiler for torch.compile).
 CPU = ClusterProfile(
     name="cpu",
@@ -92,4 +101,4 @@ CPU = ClusterProfile(
     values_file="values-cpu.yaml",
     gpus_per_node=0,
 )
-PROFILES = {p.name: p for p in (H100, CPU)}
+PROFILES = {p.name: p for p in (H100, H100_FP8, CPU)}

@@ -67,6 +67,13 @@ class MegaPodConfig(Settings):
     codec_policy: Annotated[Policy, Sets(llm="codec_policy", snac="policy")] = "streaming"  # reference: for comparison
     max_model_len: Annotated[int, Sets(llm="max_model_len")] = 2048
     enforce_eager: Annotated[bool, Sets(llm="enforce_eager")] = False
+    # The engine at full tilt (each unset: the worker's own default; megapod/cluster.py's H100 profile sets them)
+    max_num_seqs: Annotated[int | None, Sets(llm="max_num_seqs")] = Field(None, ge=1)
+    max_num_batched_tokens: Annotated[int | None, Sets(llm="max_num_batched_tokens")] = Field(None, ge=1)
+    async_scheduling: Annotated[bool | None, Sets(llm="async_scheduling")] = None
+    max_cudagraph_capture_size: Annotated[int | None, Sets(llm="max_cudagraph_capture_size")] = Field(None, ge=1)
+    quantization: Annotated[str | None, Sets(llm="quantization")] = None  # e.g. fp8_per_tensor
+    kv_cache_dtype: Annotated[str | None, Sets(llm="kv_cache_dtype")] = None  # e.g. fp8 (e4m3)
     grace_s: Annotated[float, Sets(llm="grace_s", snac="grace_s", chart=("drain.graceS",))] = Field(15.0, ge=0)  # drain budget of every tier (workers, codec replicas, front): streams in flight finish
     # Cluster only (the chart's preStop): how long a terminating pod keeps serving while its address
     # leaves the Services' endpoints and DNS. On one machine nothing routes by endpoints: 0.

@@ -36,7 +36,8 @@ def test_only_the_command_line_reads_the_environment(monkeypatch):
 SAMPLES = {"voices": (*LlmServerConfig.default("voices"), "extra"), "voice_aliases": "alloy=leo",
            "repetition_penalty": 1.3, "workers_dns": "llm.ns.svc:8000", "workers": "http://10.0.0.5:8000",
            "max_streams": 8, "max_streams_per_worker": 8, "min_streams_per_worker": 2,  # defaults None: the tier's
-           "target_pace": 1.2}
+           "target_pace": 1.2, "max_num_seqs": 512, "max_num_batched_tokens": 1024, "async_scheduling": True,
+           "max_cudagraph_capture_size": 512}
 COMPANIONS = {"tls_cert": {"tls_key": "k"}, "tls_key": {"tls_cert": "c"}, "tls_client_ca": {"tls_cert": "c", "tls_key": "k"},
               "codec_tls_cert": {"codec_tls_key": "k", "codec_tls_ca": "ca"},
               "codec_tls_key": {"codec_tls_cert": "c", "codec_tls_ca": "ca"}, "codec_tls_server_name": {"codec_tls_ca": "ca"}}

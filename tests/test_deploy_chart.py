@@ -34,7 +34,7 @@ from llm_server.api import create_app
 from llm_server.codec_client import channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.metrics import LlmMetrics
-from megapod.cluster import CPU, H100, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
+from megapod.cluster import CPU, H100, H100_FP8, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
 from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (
     CHART, KUBE_VERSION, KUSTOMIZE, REPO, HelmRender, RenderError, find_helm, find_kubectl, parse_manifests,
@@ -115,15 +115,16 @@ def kustomize_render(overlay: str) -> list[dict]:
 RENDERS = {
     "helm-h100": lambda: helm_render("h100"),
     "kustomize-h100": lambda: kustomize_render("h100"),
+    "helm-h100-fp8": lambda: helm_render("h100-fp8"),
     "helm-cpu": lambda: helm_render("cpu"),
     "kustomize-cpu": lambda: kustomize_render("cpu"),
 }
-GPU_RENDERS = ("helm-h100", "kustomize-h100")
+GPU_RENDERS = ("helm-h100", "kustomize-h100", "helm-h100-fp8")
 CPU_RENDERS = ("helm-cpu", "kustomize-cpu")
 
 
 def profile_of(render: str) -> ClusterProfile:
-    return PROFILES[render.split("-")[1]]
+    return PROFILES[render.split("-", 1)[1]]
 
 
 def find(objects: list[dict], kind: str, name: str) -> dict:
@@ -168,7 +169,7 @@ def port_named(deployment: dict, name: str) -> int:
 # ---------------------------------------------------------------- Helm and schemas
 
 
-@pytest.mark.parametrize("profile", ["h100", "cpu"])
+@pytest.mark.parametrize("profile", ["h100", "h100-fp8", "cpu"])
 def test_helm_lint_passes_strict(profile: str) -> None:
     argv = [helm(), "lint", "--strict", str(CHART)]
     if profile != "h100":
@@ -253,7 +254,7 @@ def _helm_merge(base: dict, override: dict) -> dict:
     return merged
 
 
-@pytest.mark.parametrize("profile", [H100, CPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("profile", [H100, H100_FP8, CPU], ids=lambda p: p.name)
 def test_chart_values_files_are_the_cluster_profiles(profile: ClusterProfile) -> None:
     """values.yaml (+ values-cpu.yaml) hold exactly what megapod/cluster.py derives from MegaPodConfig."""
     values = leaves(_merged_values(profile))
@@ -273,7 +274,7 @@ def test_profile_knobs_not_overridden_are_megapod_config_defaults() -> None:
     assert default.front_port == LlmServerConfig().port
 
 
-@pytest.mark.parametrize("profile", ["h100", "cpu"])
+@pytest.mark.parametrize("profile", ["h100", "h100-fp8", "cpu"])
 def test_megapod_deploy_values_render_the_charts_defaults(profile: str) -> None:
     """What `megapod deploy` renders (values from MegaPodConfig) equals the chart's own defaults
     (but for the certificates Helm generates anew on every render)."""
