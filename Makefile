@@ -15,7 +15,7 @@ CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 ENGINE_STAMP  := $(VENV)/.container-engine
 # The CUDA image's vLLM release, its Python files only: the tests build its config objects from the GPU
-# profiles (tests/test_engine_profiles.py) beside the CPU build that runs here.
+# profiles (tests/test_deploy_chart.py) beside the CPU build that runs here.
 VLLM_GPU       := .vllm-gpu
 VLLM_GPU_STAMP := $(VLLM_GPU)/.installed
 

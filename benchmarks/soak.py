@@ -587,20 +587,24 @@ class SlotHolder:
         if self.keep > cap * cfg.workers:
             raise SystemExit(f"--max-streams {self.keep} is more than the stack's {cap * cfg.workers} slots")
         free = self.keep
-        for port in cfg.worker_ports():
-            hold = cap - min(cap, free)
-            free -= cap - hold
-            if hold:
-                ws = await connect(f"ws://{cfg.host}:{port}/tts/websocket", additional_headers={"X-API-Key": "unused"})
-                self.sockets.append(ws)
-                for k in range(hold):
-                    await ws.send(cartesia_message(f"held-{k}", "", more=True))
-                self.count += hold
-        deadline = time.perf_counter() + 60.0
-        while (await self.stack.worker_metrics("orpheus_active_streams"))["orpheus_active_streams"] < self.count:
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"the stack did not take the {self.count} held contexts within 60 s")
-            await asyncio.sleep(0.1)
+        try:
+            for port in cfg.worker_ports():
+                kept = min(cap, free)
+                free -= kept
+                if cap > kept:
+                    ws = await connect(f"ws://{cfg.host}:{port}/tts/websocket", additional_headers={"X-API-Key": "unused"})
+                    self.sockets.append(ws)
+                    for k in range(cap - kept):
+                        await ws.send(cartesia_message(f"held-{k}", "", more=True))
+                    self.count += cap - kept
+            deadline = time.perf_counter() + 60.0
+            while (await self.stack.worker_metrics("orpheus_active_streams"))["orpheus_active_streams"] < self.count:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"the stack did not take the {self.count} held contexts within 60 s")
+                await asyncio.sleep(0.1)
+        except BaseException:
+            await self.__aexit__()  # not entered: give back what was taken
+            raise
         self.stack.held = {"orpheus_active_streams": float(self.count)}
         if self.count:
             print(f"holding {self.count} slots of the stack's {cap * cfg.workers}: {self.keep} left for the soak",

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from concurrent import futures
 from functools import cache
 from pathlib import Path
@@ -34,6 +35,9 @@ from llm_server.api import create_app
 from llm_server.codec_client import channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.metrics import LlmMetrics
+from llm_server.model_source import resolve_model
+from llm_server.prompt import prompt_ids
+from llm_server.selfcheck import ORPHEUS_3B_CONFIG
 from megapod.cluster import CPU, H100, H100_FP8, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
 from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (
@@ -602,7 +606,7 @@ def test_codec_tls_is_on_by_default_with_client_certificates(render: str) -> Non
         assert items == {"snac": {"ca.crt": "ca.crt", "tls.crt": "server.crt", "tls.key": "server.key"},
                          "llm": {"ca.crt": "ca.crt", "tls.crt": "client.crt", "tls.key": "client.key"}}
     else:
-        assert set(names.values()) == {_load_render_k8s().BASE_TLS_SECRET}  # deploy/README.md creates it
+        assert set(names.values()) == {_load_tool("render_k8s").BASE_TLS_SECRET}  # deploy/README.md creates it
         assert not any(o["kind"] == "Secret" for o in objects)
     # The name the workers check is the host they dial.
     dialed = env(llm(objects))["ORPHEUS_SNAC"].removeprefix("dns:///").rsplit(":", 1)[0]
@@ -833,22 +837,23 @@ def test_nothing_in_the_rendered_objects_runs_as_root(name: str) -> None:
 
 
 @cache
-def _load_render_k8s():
-    spec = importlib.util.spec_from_file_location("render_k8s", REPO / "deploy" / "tools" / "render_k8s.py")
+def _load_tool(name: str):
+    """A script of deploy/tools/ as a module (it is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
 
 def test_kustomize_base_is_generated_from_the_current_chart() -> None:
-    render_k8s = _load_render_k8s()
+    render_k8s = _load_tool("render_k8s")
     assert render_k8s.stale(KUSTOMIZE / "base", render_k8s.base_files()) == [], "run python deploy/tools/render_k8s.py"
 
 
 def _comparable(objects: list[dict]) -> dict:
     """Objects by (kind, name), without what only one renderer adds (Helm's labels and
     annotations, the overlay's Namespace); env lists as maps, since only values matter."""
-    render_k8s = _load_render_k8s()
+    render_k8s = _load_tool("render_k8s")
     out = {}
     for obj in objects:
         if obj["kind"] == "Namespace":
@@ -863,7 +868,7 @@ def _comparable(objects: list[dict]) -> dict:
 @pytest.mark.parametrize("profile", ["h100", "cpu"])
 def test_kustomize_overlay_equals_the_helm_profile(profile: str) -> None:
     # k8s/base mounts an existing Secret (render_k8s.BASE_VALUES) where Helm would generate one.
-    helm_objects = _comparable(helm_render(profile, _load_render_k8s().BASE_VALUES))
+    helm_objects = _comparable(helm_render(profile, _load_tool("render_k8s").BASE_VALUES))
     kustomize_objects = _comparable(kustomize_render(profile))
     assert sorted(helm_objects) == sorted(kustomize_objects)
     for key, obj in helm_objects.items():
@@ -912,3 +917,80 @@ def test_dra_alternative_validates_and_patches_the_snac_deployment(tmp_path: Pat
     kubernetes_validate.validate(deployment, KUBE_VERSIONS[-1], strict=True)
     assert deployment["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimName"] == claim["metadata"]["name"]
     assert container(deployment)["resources"]["claims"] == [{"name": "gpu"}]
+
+
+# ---------------------------------------------------------------- the GPU profiles' engines, as vLLM 0.33 builds them
+# The CUDA image's vLLM (deploy/docker/cuda-pins.txt) must take the H100 profiles' engine settings as the pods get them
+# (issue 25): tests/engine_config_probe.py builds that release's own config objects from them through the worker's own
+# engine_args(), with the release's Python files first on the path (deploy/tools/fetch_vllm_gpu.py; `make test`
+# fetches them into .vllm-gpu).
+
+VLLM_GPU = REPO / ".vllm-gpu"
+GPU_PROFILES = ("h100", "h100-fp8")
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> dict[str, dict]:
+    """Each GPU profile's worker settings through vLLM 0.33's configs, plus the fp8 profile with an e5m2 KV cache."""
+    assert (VLLM_GPU / "vllm").is_dir(), "`make test` fetches vLLM's CUDA release into .vllm-gpu"
+    model_dir = tmp_path_factory.mktemp("orpheus-3b-architecture")
+    shutil.copy(ORPHEUS_3B_CONFIG, model_dir / "config.json")
+    cases = {name: LlmServerConfig.from_cli([], _pod_env(llm(helm_render(name)), "ORPHEUS_")) for name in GPU_PROFILES}
+    cases["h100-fp8-e5m2"] = cases["h100-fp8"].replace(kv_cache_dtype="fp8_e5m2")
+    settings = [json.loads(c.model_dump_json()) for c in cases.values()]
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("engine_config_probe.py")), json.dumps(settings),
+                           str(model_dir)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{VLLM_GPU}{os.pathsep}{REPO}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(cases, json.loads(done.stdout.splitlines()[-1])))
+
+
+@cache
+def longest_prompt() -> int:
+    """Tokens of the longest prompt one segment makes: the most characters a segment holds, in words, with each
+    voice. The tiny checkpoint's own tokenizer makes a token of every character (292 for 280 characters), more than
+    Orpheus's Llama 3 tokenizer makes of English words, so what fits here fits there."""
+    from transformers import AutoTokenizer
+
+    config = LlmServerConfig()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", config.cache_dir))
+    text = ("Thanks for calling, how can I help you today? " * 20)[: config.max_segment_chars]
+    return max(len(prompt_ids(tokenizer, voice, text)) for voice in config.voices)
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_the_profile_is_vllm_0_33s_to_take(resolved, profile):
+    got = resolved[profile]
+    assert "error" not in got, got
+    pinned = _load_tool("fetch_vllm_gpu").pinned_vllm()  # vllm==X.Y.Z
+    assert got["vllm"] == pinned.split("==")[1] and got["platform"] == "HopperStandIn"
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_h100_engines_run_at_full_tilt(resolved, profile):
+    got = resolved[profile]
+    assert got["max_num_seqs"] >= 512
+    # every batch the profile may admit replays a CUDA Graph (vLLM's own default stops at 512)
+    assert got["max_cudagraph_capture_size"] >= got["max_num_seqs"]
+    # a new stream's whole prompt fits one step beside a full batch of decodes: chunked prefill never needs
+    # to split an Orpheus prompt, and no prompt waits for the step budget
+    assert got["chunked_prefill"] and got["max_num_batched_tokens"] >= got["max_num_seqs"] + longest_prompt()
+    assert got["prefix_caching"]  # every request of a voice starts with the same prompt prefix
+    # asked for explicitly, so VllmConfig raises where 0.33 cannot run it (some speculative methods, pipeline
+    # parallelism on the V1 runner, ROCm DeepEP DBO); the logits processors sit in ModelConfig, not built here
+    # and not among those checks
+    assert got["async_scheduling"] is True and got["scheduler"] == "AsyncScheduler"
+    assert got["logits_processors"] == ["FrameConstraintV1"]  # what engine_args hands vLLM's V1 runner
+    assert got["attention_backend"].endswith("FLASHINFER") and got["trtllm_attention"] is True
+
+
+def test_h100_is_bf16_and_h100_fp8_quantizes_weights_and_kv_cache_as_they_load(resolved):
+    bf16, fp8 = resolved["h100"], resolved["h100-fp8"]
+    assert (bf16["quantization"], bf16["kv_cache_dtype"]) == (None, "auto")
+    # fp8_per_tensor: one of 0.33's online shorthands, quantizing the bf16 checkpoint's weights as they load
+    assert fp8["quantization"] == "fp8_per_tensor" and fp8["quantization_known"] and fp8["quantization_online"]
+    assert fp8["kv_cache_dtype"] == "fp8"  # e4m3, the format TRT-LLM attention reads
+
+
+def test_an_e5m2_kv_cache_under_trtllm_attention_is_refused_before_vllm_starts(resolved):
+    assert "reads fp8 KV caches as e4m3 only" in resolved["h100-fp8-e5m2"]["error"]

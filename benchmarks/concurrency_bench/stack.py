@@ -61,7 +61,9 @@ class LocalStack:
         return self.attached.pid if self.attached else self.child.pid
 
     def running(self) -> bool:
-        return self.attached.is_running() if self.attached else self.child.alive()
+        if self.attached:
+            return self.attached.is_running()
+        return self.child is not None and self.child.alive()
 
     def plan(self, taken: set[int]) -> None:
         """Choose ports and build the command line; `taken` collects every port used."""
@@ -124,7 +126,7 @@ class LocalStack:
 
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
-        if (self.child or self.attached) and self.running():
+        if self.running():
             try:
                 root = psutil.Process(self.pid)
                 for proc in (root, *root.children(recursive=True)):

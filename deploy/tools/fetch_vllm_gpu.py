@@ -1,6 +1,6 @@
 """vLLM's CUDA release (deploy/docker/cuda-pins.txt), its Python files only, into a folder of its own.
 
-The tests build that release's own config objects from the chart's GPU profiles (tests/test_engine_profiles.py)
+The tests build that release's own config objects from the chart's GPU profiles (tests/test_deploy_chart.py)
 on a machine without a GPU, where the CPU build of an older vLLM is what runs. The compiled kernels are left out:
 they need CUDA's libraries, and building configs does not load them. The wheel is fetched once (pip's cache) and
 only its `vllm/` package and metadata are written, ~180 MB.
