@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, SAMPLE_RATE
 
@@ -60,6 +62,11 @@ class Window:
     @property
     def mean_decoding(self) -> float:
         return self.stream_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @classmethod
+    def stepping(cls, batch: float, step_ms: float, seconds: float) -> Window:
+        """`batch` streams decoding together for `seconds`, each getting a token every step of `step_ms`."""
+        return cls(seconds, batch * seconds, round(batch * seconds * 1000.0 / step_ms), math.ceil(batch))
 
 
 class PaceMeter:
@@ -173,3 +180,23 @@ class CapacityLimit:
             self._codec_trouble, self._hold = False, CODEC_HOLD_WINDOWS
         self.limit = min(max(limit, float(self.floor)), float(self.ceiling))
         return self.limit
+
+
+def measured_curve(step_ms: Mapping[int, float]) -> Callable[[float], float]:
+    """Step time by batch, linear between the batches measured and flat past the largest (the engine
+    batches no more than it was given: the ceiling is that batch); NaN points (not measured) left out."""
+    points = sorted((b, ms) for b, ms in step_ms.items() if ms == ms)
+    if not points:
+        raise ValueError("no step time was measured")
+    batches, times = zip(*points)
+    return lambda batch: float(np.interp(batch, batches, times))
+
+
+def settled_limit(step_ms: Callable[[float], float], limit: CapacityLimit, windows: int = 200) -> int:
+    """Where `limit` settles on an engine whose decode step takes step_ms(batch) when demand always meets it
+    (every stream past it refused): the controller itself run on a step-time curve, as the doctor predicts
+    admission from the step times it measured. Windows of 10 s: each says enough about the pace."""
+    for _ in range(windows):
+        batch = limit.streams
+        limit.update(Window.stepping(batch, step_ms(batch), seconds=10.0), peak_admitted=batch, admitted=batch)
+    return limit.streams

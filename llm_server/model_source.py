@@ -19,6 +19,9 @@ from .audio_tokens import BEGIN_OF_TEXT, END_OF_SPEECH, END_OF_TURN
 log = logging.getLogger(__name__)
 
 TINY = "tiny"
+# The Orpheus 3B architecture's config.json (Llama 3.2 3B with Orpheus's vocabulary): with vLLM's dummy
+# weights, the real model's shapes without a download (the doctor's GPU runs, the profiles' config checks).
+ORPHEUS_3B_CONFIG = Path(__file__).with_name("orpheus-3b-config.json")
 TINY_VERSION = "tiny-orpheus-v3"  # bump when the generated checkpoint changes (v2: float32; v3: hidden 32)
 VOCAB_SIZE = 156_940
 FIRST_CUSTOM_ID = 128_256  # Orpheus's added tokens (<custom_token_N>) start here

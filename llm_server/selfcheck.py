@@ -27,13 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .audio_tokens import frame_violations
+from .capacity import CapacityLimit, measured_curve, settled_limit
 from .config import LlmServerConfig
 from .engine import Sampling
-from .model_source import resolve_model
+from .model_source import ORPHEUS_3B_CONFIG, resolve_model
 from .prompt import TOKENS_PER_SECOND, prompt_ids
 from .vllm_engine import VllmEngine
 
-ORPHEUS_3B_CONFIG = Path(__file__).with_name("orpheus-3b-config.json")
 STEP_BUDGET_MS = 1000.0 / TOKENS_PER_SECOND  # one token per step per stream keeps a stream real time
 TEXT = "The quick brown fox jumps over the lazy dog, and the doctor listens to every frame."
 KERNELS_INSTALL = "`vllm download-kernels` (vLLM's own command; it runs `python -m flashinfer download-kernels`)"
@@ -58,7 +58,8 @@ GPU_COMPARISONS = (AttentionComparison("flashinfer+trtllm", "FLASHINFER", "on"),
 
 @dataclasses.dataclass(frozen=True)
 class LlmPlan:
-    """What to run: the engine's settings, the batch sizes to time and the attention comparisons."""
+    """What to run: the engine's settings, the batch sizes to time, the attention comparisons and the
+    precisions timed beside the main run (name -> the settings that change, e.g. FP8 weights and KV cache)."""
 
     config: LlmServerConfig
     model_dir: str
@@ -66,11 +67,17 @@ class LlmPlan:
     constrained_streams: int
     tokens_per_stream: int
     comparisons: tuple[AttentionComparison, ...] = ()
+    precisions: tuple[tuple[str, Mapping[str, object]], ...] = ()
 
 
-def plan(device: str, workdir: Path, cache_dir: str, quick: bool) -> LlmPlan:
-    """The 3B architecture with dummy weights and the worker's default attention on a GPU, the tiny
-    model on CPU."""
+GPU_BATCHES = (1, 16, 64, 128, 256, 384, 512)
+
+
+def plan(device: str, workdir: Path, cache_dir: str, quick: bool, engine: Mapping[str, object] | None = None,
+         precisions: tuple[tuple[str, Mapping[str, object]], ...] = ()) -> LlmPlan:
+    """The 3B architecture with dummy weights on a GPU, with `engine`'s settings (a deployed profile's batch,
+    graph and token budget) and the worker's default attention, timed at every batch up to max_num_seqs, then
+    again in each of `precisions`; the tiny model on CPU."""
     tiny = resolve_model("tiny", cache_dir)
     if device == "cpu":
         config = LlmServerConfig(device="cpu", model="tiny", cache_dir=cache_dir, enforce_eager=True,
@@ -79,9 +86,10 @@ def plan(device: str, workdir: Path, cache_dir: str, quick: bool) -> LlmPlan:
     model_dir = workdir / "orpheus-3b-architecture"
     model_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(ORPHEUS_3B_CONFIG, model_dir / "config.json")
-    config = LlmServerConfig(device="cuda", model=str(model_dir), tokenizer=tiny, load_format="dummy",
-                             max_model_len=2048, max_num_seqs=256)
-    return LlmPlan(config, str(model_dir), (1, 16, 64, 128, 256), 64, 196, GPU_COMPARISONS)
+    config = LlmServerConfig(**{"device": "cuda", "model": str(model_dir), "tokenizer": tiny, "load_format": "dummy",
+                                "max_model_len": 2048, "max_num_seqs": 256, **(engine or {})})
+    batches = tuple(b for b in GPU_BATCHES if b <= config.max_num_seqs)
+    return LlmPlan(config, str(model_dir), batches, 64, 196, GPU_COMPARISONS, precisions)
 
 
 def _installed(distribution: str) -> str | None:
@@ -224,6 +232,19 @@ def realtime_streams(step_ms: dict[int, float]) -> float:
     return float(points[-1][0])
 
 
+def admission_settles_at(config: LlmServerConfig, step_ms: Mapping[int, float]) -> int | None:
+    """The streams a worker with `config` admits once its capacity limit settles on an engine of these step
+    times (capacity.settled_limit: the worker's own controller; its target pace, not real time itself);
+    None when no step was timed. Past the largest batch timed the limit is not predicted."""
+    try:
+        curve = measured_curve(step_ms)
+    except ValueError:
+        return None
+    ceiling = min(config.stream_ceiling, max(step_ms))
+    limit = CapacityLimit(config.initial_streams, min(config.stream_floor, ceiling), ceiling, config.resolved_target_pace)
+    return settled_limit(curve, limit)
+
+
 async def run_engine(plan_: LlmPlan, config: LlmServerConfig, check_constraint: bool) -> dict[str, object]:
     """Start one engine with `config`, run the checks, stop it."""
     engine = VllmEngine(config, plan_.model_dir)
@@ -237,6 +258,7 @@ async def run_engine(plan_: LlmPlan, config: LlmServerConfig, check_constraint: 
         steps = {b: await step_time_ms(engine, prompt, b, plan_.tokens_per_stream) for b in plan_.batches}
         result["step_ms"] = {b: round(ms, 2) for b, ms in steps.items()}
         result["realtime_streams"] = round(realtime_streams(steps), 1)
+        result["admission_settles_at"] = admission_settles_at(config, steps)
     finally:
         await engine.shutdown()
     return result
@@ -255,10 +277,20 @@ async def compare(plan_: LlmPlan, comparison: AttentionComparison, reason: str |
     return {**entry, **measured, "kernels_as_asked": kernels_as_asked(comparison, measured["engine"])}
 
 
+async def time_precision(plan_: LlmPlan, name: str, settings: Mapping[str, object]) -> dict[str, object]:
+    """The main run's engine with `settings` changed (an engine of its own), timed the same way."""
+    entry: dict[str, object] = {"name": name, "settings": dict(settings)}
+    try:
+        return {**entry, **await run_engine(plan_, plan_.config.replace(**settings), check_constraint=False)}
+    except Exception as exc:  # a precision that cannot start leaves the main figures standing
+        return {**entry, "failed": f"{type(exc).__name__}: {exc}"}
+
+
 async def check_llm(plan_: LlmPlan) -> dict[str, object]:
-    """The engine as the worker runs it (attention auto), then each attention comparison the plan names
-    that this machine can run."""
+    """The engine as the worker runs it (attention auto), each precision the plan names, then each attention
+    comparison that this machine can run."""
     main = await run_engine(plan_, plan_.config, check_constraint=True)
+    main["precisions"] = [await time_precision(plan_, name, settings) for name, settings in plan_.precisions]
     if plan_.config.resolved_device == "cpu":
         return {**main, "attention_comparisons": [],
                 "attention_note": "not applicable on CPU: vLLM's CPU backend has its own attention"}

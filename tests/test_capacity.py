@@ -15,6 +15,8 @@ from llm_server.capacity import (
     CapacityLimit,
     PaceMeter,
     Window,
+    measured_curve,
+    settled_limit,
 )
 from llm_server.config import GPU_TARGET_PACE
 
@@ -27,8 +29,7 @@ def step_ms_curve(fixed_ms: float, per_stream_ms: float):
 
 def window_at(batch: float, step_ms, seconds: float = 1.0) -> Window:
     """`batch` streams decoding for `seconds`, each getting a token a step of step_ms(batch)."""
-    tokens = batch * seconds * 1000.0 / step_ms(batch)
-    return Window(seconds, batch * seconds, round(tokens), math.ceil(batch))
+    return Window.stepping(batch, step_ms(batch), seconds)
 
 
 def at_target(step_ms, target: float = TARGET) -> float:
@@ -180,3 +181,23 @@ def test_no_growth_while_the_streams_admitted_are_still_over_a_lowered_limit():
     assert limit.limit == lowered
     limit.update(window_at(limit.streams, step_ms_curve(1.0, 0.0)), peak_admitted=8, admitted=limit.streams)
     assert limit.limit > lowered, "once the admitted streams are within it, it grows"
+
+
+def test_the_doctors_prediction_is_where_the_limit_settles_on_the_step_times_it_measured():
+    """megapod doctor times decode steps at a few batches and runs the controller on them (settled_limit)."""
+    measured = {b: H100_LIKE(b) for b in (1, 16, 64, 128, 256, 384, 512)}
+    settled = settled_limit(measured_curve(measured), CapacityLimit(initial=4, floor=1, ceiling=512, target_pace=TARGET))
+    assert int(at_target(H100_LIKE)) - 1 <= settled <= at_target(H100_LIKE)
+    # the largest batch measured is the ceiling: an engine fast at every batch settles there
+    fast = settled_limit(measured_curve({1: 2.0, 64: 3.0}), CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=TARGET))
+    assert fast == 64
+    # a slower GPU, the same controller: its own batch
+    slower = settled_limit(measured_curve({b: SLOWER(b) for b in (1, 16, 64, 128)}),
+                           CapacityLimit(initial=4, floor=1, ceiling=128, target_pace=TARGET))
+    assert int(at_target(SLOWER)) - 1 <= slower <= at_target(SLOWER)
+
+
+def test_a_curve_needs_a_measured_point_and_skips_the_unmeasured():
+    with pytest.raises(ValueError, match="no step time"):
+        measured_curve({1: float("nan")})
+    assert measured_curve({1: 2.0, 16: float("nan"), 64: 8.0})(32.5) == pytest.approx(5.0)

@@ -29,6 +29,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from drained_worker import WORKER_FRAMES
 from processes import snac_process
 from served import serve_app
 from test_deploy_chart import (
@@ -420,36 +421,12 @@ async def test_the_real_resolver_returns_every_address() -> None:
 
 # ---------------------------------------------------------------- a rolling update, played out
 
-# python tests/test_chart_parity.py HOST PORT SNAC GRACE_S: one LLM worker as the pod runs it (the real
-# app under the real drain, llm_server/server.py), its engine a double that needs no model.
-WORKER_FRAMES = 16
+DRAINED_WORKER = Path(__file__).with_name("drained_worker.py")
 MAX_IN_FLIGHT = 4  # streams the rolling update's load keeps open at once
 
 
-def _run_worker(host: str, port: int, snac_address: str, grace_s: float) -> None:
-    from served import CharTokenizerDouble, ScriptedEngineDouble
-
-    from llm_server.api import create_app
-    from llm_server.codec_client import CodecClient
-    from llm_server.config import LlmServerConfig
-    from llm_server.runtime import Runtime, codec_client_config
-    from orpheus_common.draining import DrainingServer
-
-    async def serve() -> None:
-        config = LlmServerConfig(host=host, port=port, snac=snac_address, grace_s=grace_s, max_streams=64, min_streams=64)
-        # Streams of 1.6 s or more (longer than the test's endpoint delay): some are in flight at SIGTERM.
-        engine = ScriptedEngineDouble(frames=WORKER_FRAMES, frames_per_batch=1, batch_delay_s=0.1)
-        runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble())
-        server = DrainingServer(uvicorn.Config(create_app(config, runtime), host=host, port=port, log_config=None,
-                                               timeout_graceful_shutdown=int(config.grace_s)))
-        await server.serve()
-
-    logging.basicConfig(level=logging.INFO)  # the drain's log lines, which the test reads
-    asyncio.run(serve())
-
-
 def _worker(host: str, port: int, snac_port: int, log: Path) -> Child:
-    return Child(f"worker {host}", [sys.executable, __file__, host, str(port), f"127.0.0.1:{snac_port}", "30"], log,
+    return Child(f"worker {host}", [sys.executable, str(DRAINED_WORKER), host, str(port), f"127.0.0.1:{snac_port}", "30"], log,
                  f"http://{host}:{port}/ready", cwd=Path(__file__).parent).start()
 
 
@@ -581,7 +558,3 @@ def test_the_front_pod_command_finds_workers_by_dns_and_drains(two_workers, tmp_
         assert "draining in-flight streams" in log.read_text()
     finally:
         front.stop(signal.SIGKILL)
-
-
-if __name__ == "__main__":
-    _run_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))

@@ -35,9 +35,8 @@ from llm_server.api import create_app
 from llm_server.codec_client import channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.metrics import LlmMetrics
-from llm_server.model_source import resolve_model
+from llm_server.model_source import ORPHEUS_3B_CONFIG, resolve_model
 from llm_server.prompt import prompt_ids
-from llm_server.selfcheck import ORPHEUS_3B_CONFIG
 from megapod.cluster import CPU, H100, H100_FP8, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
 from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (

@@ -25,7 +25,7 @@ def report(tmp_path_factory):
                            "--cache-dir", TINY_CACHE, "--snac-model", TEST_CODEC], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "real-time streams per codec device" in done.stdout
+    assert "real-time streams per codec device" in done.stdout and "admission settles at" in done.stdout
     return json.loads(out.read_text())
 
 
@@ -48,6 +48,10 @@ def test_the_llm_checks_ran_the_worker_engine(report):
     engine = report["checks"]["llm_engine_starts"]["engine"]
     assert engine["backends"] == ["CPU_ATTN"] and engine["runner"] == "V1"
     assert all(ms > 0 for ms in report["figures"]["llm"]["step_ms"].values())
+    # the worker's controller on these step times (CPU target pace), within the batches timed
+    steps = report["figures"]["llm"]["step_ms"]
+    assert 1 <= report["figures"]["admitted_streams_per_llm_gpu"] <= max(int(b) for b in steps)
+    assert report["figures"]["llm"]["precisions"] == []  # FP8 is timed on a GPU only
 
 
 def test_on_cpu_gpu_only_parts_say_so(report):

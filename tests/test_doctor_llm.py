@@ -141,3 +141,48 @@ async def test_check_llm_reports_each_comparisons_kernels_beside_its_figures(fak
     assert on["engine"]["trtllm_decode"] == "xqa" and on["step_ms"] == {1: 5.0} and on["kernels_as_asked"]
     assert off["engine"]["trtllm_decode"] == "none" and off["kernels_as_asked"]
     assert "frame_constraint" not in on and "skipped" not in on
+
+
+def test_gpu_plan_times_the_h100_profiles_engine_at_every_batch_up_to_512_and_again_in_fp8(tmp_path):
+    """megapod doctor times what the deployed profiles run (megapod/cluster.py), not settings of its own."""
+    from megapod.doctor import profile_engines
+
+    engine, precisions = profile_engines()
+    planned = llm.plan("cuda", tmp_path, TINY_CACHE, False, engine, precisions)
+    config = planned.config
+    assert (config.max_num_seqs, config.max_cudagraph_capture_size, config.async_scheduling) == (512, 512, True)
+    assert planned.batches == (1, 16, 64, 128, 256, 384, 512)
+    assert (config.attention_backend, config.quantization, config.kv_cache_dtype) == ("auto", "", "auto")
+    assert planned.precisions == (("fp8", {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}),)
+
+
+async def test_each_precision_is_timed_by_an_engine_of_its_own_and_a_failed_one_leaves_the_rest(monkeypatch, tmp_path):
+    started = []
+
+    async def run_engine(plan_, config, check_constraint):
+        started.append((config.quantization, config.kv_cache_dtype))
+        if config.kv_cache_dtype == "fp8_e5m2":
+            raise RuntimeError("no such kernel")
+        return {"engine": {}, "start_s": 1.0, "step_ms": {1: 5.0}, "realtime_streams": 1.0, "admission_settles_at": 1,
+                "frame_constraint": {"ok": True}}
+
+    monkeypatch.setattr(llm, "run_engine", run_engine)
+    planned = llm.plan("cpu", tmp_path, TINY_CACHE, quick=True)
+    planned = llm.LlmPlan(**{**planned.__dict__, "precisions": (
+        ("fp8", {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}), ("e5m2", {"kv_cache_dtype": "fp8_e5m2"}))})
+    result = await llm.check_llm(planned)
+    assert started == [("", "auto"), ("fp8_per_tensor", "fp8"), ("", "fp8_e5m2")]
+    fp8, e5m2 = result["precisions"]
+    assert fp8["name"] == "fp8" and fp8["step_ms"] == {1: 5.0} and fp8["settings"]["quantization"] == "fp8_per_tensor"
+    assert e5m2 == {"name": "e5m2", "settings": {"kv_cache_dtype": "fp8_e5m2"}, "failed": "RuntimeError: no such kernel"}
+    assert result["step_ms"] == {1: 5.0}  # the main run's figures stand
+
+
+def test_admission_is_predicted_with_the_workers_own_target_pace_and_ceiling():
+    """GPU target pace 1.05: a step of 11.6 ms at most; 2 ms + 0.05 ms a stream reaches it at 192 streams."""
+    curve = {b: 2.0 + 0.05 * b for b in (1, 16, 64, 128, 256, 384, 512)}
+    gpu = LlmServerConfig(device="cuda", max_num_seqs=512)
+    assert 190 <= llm.admission_settles_at(gpu, curve) <= 192
+    assert llm.admission_settles_at(gpu.replace(max_streams=100), curve) == 100  # a ceiling holds
+    assert llm.admission_settles_at(gpu, {1: 2.0, 64: 5.0}) == 64  # not predicted past the largest batch timed
+    assert llm.admission_settles_at(gpu, {1: float("nan")}) is None

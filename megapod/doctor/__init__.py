@@ -4,9 +4,12 @@ Runs each tier's own self-check: the codec tier's decoder as a replica does (sna
 checked against eager, a seeded stream compared with one eager decode, the step under the sync checks,
 streaming and reference decoders timed by batch in fp32 and bf16, a gRPC replica serving streams) and
 vLLM as a worker does (llm_server/selfcheck.py: the Orpheus 3B architecture with dummy weights on a GPU,
-the tiny model on CPU; frame-constrained streams checked; decode steps timed with attention auto, and on
-a GPU FlashInfer with TRT-LLM attention on and off where its kernels are installed). Prints what it found, the real-time streams per GPU those timings allow and
-what to try where a check failed, and writes it all as JSON to share. Exit status 1 if a check failed.
+the tiny model on CPU; frame-constrained streams checked; decode steps timed with attention auto, on a GPU
+with the h100 profile's engine at batch 1 to 512 and again with the h100-fp8 profile's FP8 weights and KV
+cache, and FlashInfer with TRT-LLM attention on and off where its kernels are installed). Prints what it
+found, the real-time streams per GPU those timings allow beside where the worker's admission limit would
+settle on them, and what to try where a check failed, and writes it all as JSON to share. Exit status 1 if
+a check failed.
 
     megapod doctor                      # this machine's GPU if it has one, else its CPU
     megapod doctor --device cpu -o doctor.json
@@ -78,6 +81,25 @@ def _describe(device: str) -> str:
     return f"{names[0] if names else platform.machine()} ({len(names) or '?'} cores), torch threads {torch.get_num_threads()}"
 
 
+# The engine settings of the H100 profiles' workers (megapod/cluster.py) the doctor times on a GPU: their
+# batch, graph sizes and token budget, and what the FP8 profile changes. Attention stays the worker's
+# default (auto); the attention comparisons time FlashInfer where its kernels are installed.
+ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_cudagraph_capture_size", "max_num_batched_tokens",
+                 "async_scheduling", "quantization", "kv_cache_dtype")
+
+
+def profile_engines() -> tuple[dict[str, object], tuple[tuple[str, dict[str, object]], ...]]:
+    """The h100 profile's engine settings, and the h100-fp8 profile's changes to them."""
+    from megapod.cluster import H100, H100_FP8
+
+    def engine(profile) -> dict[str, object]:
+        settings = profile.megapod.tier_settings("llm")
+        return {name: settings[name] for name in ENGINE_FIELDS if name in settings}
+
+    bf16 = engine(H100)
+    return bf16, (("fp8", {k: v for k, v in engine(H100_FP8).items() if bf16.get(k) != v}),)
+
+
 def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[str, dict], figures: dict, report: dict) -> None:
     from llm_server.config import LlmServerConfig
     from llm_server.selfcheck import STEP_BUDGET_MS, check_llm, plan
@@ -89,7 +111,9 @@ def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[s
         torch.cuda.empty_cache()  # the engine claims a share of what is free
     try:
         with tempfile.TemporaryDirectory(prefix="megapod-doctor-") as workdir:
-            llm = asyncio.run(check_llm(plan(device, Path(workdir), cache_dir or LlmServerConfig.default("cache_dir"), quick)))
+            engine, precisions = profile_engines()
+            planned = plan(device, Path(workdir), cache_dir or LlmServerConfig.default("cache_dir"), quick, engine, precisions)
+            llm = asyncio.run(check_llm(planned))
     except Exception as exc:  # the doctor reports what broke and goes on
         checks["llm_engine_starts"] = failed(exc)
     else:
@@ -97,6 +121,7 @@ def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[s
         checks["llm_frame_constraint"] = llm.pop("frame_constraint")
         figures["llm"] = llm
         figures["realtime_streams_per_llm_gpu"] = llm["realtime_streams"]
+        figures["admitted_streams_per_llm_gpu"] = llm["admission_settles_at"]
         figures["llm_step_budget_ms"] = round(STEP_BUDGET_MS, 2)
         report["attention"] = {"engine": checks["llm_engine_starts"]["engine"], "note": llm.pop("attention_note"),
                                "comparisons": llm.pop("attention_comparisons")}
@@ -141,6 +166,11 @@ def _codec_lines(codec: dict) -> list[str]:
     return lines
 
 
+def _capacity(timed: dict) -> str:
+    return (f"{timed['realtime_streams']} real-time streams per LLM device, admission settles at "
+            f"{timed['admission_settles_at']}")
+
+
 def summary(report: dict[str, object]) -> str:
     lines = [f"megapod doctor on {report['device']}:"]
     for name, check in report["checks"].items():
@@ -149,7 +179,10 @@ def summary(report: dict[str, object]) -> str:
     lines += _codec_lines(figures["codec"])
     if "realtime_streams_per_llm_gpu" in figures:
         lines.append(f"  llm: decode step {figures['llm']['step_ms']} ms by batch (budget {figures['llm_step_budget_ms']} ms "
-                     f"for 82.03 tokens/s) -> {figures['realtime_streams_per_llm_gpu']} real-time streams per LLM device")
+                     f"for 82.03 tokens/s) -> {_capacity(figures['llm'])}")
+        for p in figures["llm"]["precisions"]:
+            found = p.get("failed") or f"decode step {p['step_ms']} ms by batch -> {_capacity(p)}"
+            lines.append(f"    {p['name']} ({', '.join(f'{k} {v}' for k, v in p['settings'].items())}): {found}")
     if "attention" in report:
         lines.append(f"  attention: {report['attention']['engine']} ({report['attention']['note']})")
         for c in report["attention"]["comparisons"]:
