@@ -111,13 +111,14 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         app.include_router(front_door.router)
 
     @app.get("/v1/voices")
-    async def voices() -> dict:
-        aliases = {k: v for k, v in config.voice_map.items() if k != v}
-        return {"voices": [{"id": v, "name": v} for v in config.voices], "aliases": aliases}
+    async def voices(request: Request) -> dict:
+        return request.app.state.runtime.voices.listing()
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "orpheus-megapod"} for m in config.model_names]}
+    async def models(request: Request) -> dict:
+        """OpenAI's model list; `tts` is Deepgram's (its GET /v1/models): each voice as the model name that asks for it."""
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "orpheus-megapod"} for m in config.model_names],
+                "tts": [deepgram.model_entry(v) for v in request.app.state.runtime.voices.voices]}
 
     @app.get("/health")
     async def health(request: Request) -> dict:

@@ -33,7 +33,8 @@ from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec, Words
 from .speech import PromptTooLong, SegmentEnd
-from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
+from .voices import UnknownVoice
+from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,12 @@ def spec_of(message: dict, runtime, containers: tuple[str, ...] = ("raw",)) -> S
     voice = message.get("voice") or {}
     if not isinstance(voice, dict) or voice.get("mode", "id") != "id":
         raise Refusal(400, "only voices by id are supported (voice: {mode: 'id', id: 'tara'}), not embeddings")
-    name, known = voice_for(runtime.config, voice.get("id") if isinstance(voice.get("id"), str) else None)
-    if not known:
-        log.info("cartesia voice %r is not an Orpheus voice: speaking as %s", voice.get("id"), name)
+    try:
+        chosen, substituted = runtime.voices.resolve_vendor(voice.get("id") if isinstance(voice.get("id"), str) else None)
+    except UnknownVoice as exc:
+        raise Refusal(400, str(exc)) from None
+    if substituted:
+        log.info("cartesia voice: %s", substituted)
     speed = (message.get("generation_config") or {}).get("speed")
     if speed not in (None, 1, 1.0):
         raise Refusal(400, "speed other than 1 is not supported: Orpheus speaks at its own pace")
@@ -71,7 +75,7 @@ def spec_of(message: dict, runtime, containers: tuple[str, ...] = ("raw",)) -> S
         output = AudioOutput(ENCODINGS[encoding] if container == "raw" else container, int(fmt.get("sample_rate", SAMPLE_RATE)))
     except (UnsupportedOutput, TypeError, ValueError) as exc:
         raise Refusal(400, f"output_format: {exc}") from None
-    return SpeechSpec(name, random.getrandbits(31), output, trim_of(runtime.config))
+    return SpeechSpec(chosen.name, random.getrandbits(31), output, trim_of(runtime.config))
 
 
 class _Context:

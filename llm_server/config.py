@@ -50,8 +50,13 @@ class LlmServerConfig(Settings):
     backend: Literal["vllm", "trtllm"] = "vllm"
     served_model_name: str = "orpheus"
     model_aliases: CommaList[str] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+    # The checkpoint's voices when it has no voices.json (voices.py), and their language.
     voices: CommaList[str] = Field(ORPHEUS_VOICES, min_length=1)
+    voices_language: str = "en"
     voice_aliases: str = OPENAI_VOICE_ALIASES
+    # Another vendor's stock voice id on its door (a Cartesia UUID, Deepgram's aura-2-thalia-en): spoken in the
+    # default voice (true), or refused like an unknown OpenAI voice (false).
+    vendor_voice_fallback: bool = True
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
     codec_policy: Policy = "streaming"  # reference: for comparison
@@ -121,9 +126,7 @@ class LlmServerConfig(Settings):
 
     @model_validator(mode="after")
     def _consistent(self) -> LlmServerConfig:
-        unknown = set(self.voice_map.values()) - set(self.voices)
-        if unknown:
-            raise ValueError(f"voice aliases point at unknown voices: {sorted(unknown)}")
+        parse_aliases(self.voice_aliases)  # well-formed; aliases of voices the checkpoint lacks are left out (voices.py)
         if bool(self.codec_tls_cert) != bool(self.codec_tls_key):
             raise ValueError("codec_tls_cert and codec_tls_key go together")
         if (self.codec_tls_cert or self.codec_tls_server_name) and not self.codec_tls_ca:
@@ -146,11 +149,6 @@ class LlmServerConfig(Settings):
     def stream_floor(self) -> int:
         """The fewest streams the limit admits, however slow the engine: min_streams, up to the ceiling."""
         return min(self.min_streams, self.stream_ceiling)
-
-    @property
-    def voice_map(self) -> dict[str, str]:
-        """Every accepted voice name -> the Orpheus voice spoken."""
-        return {**parse_aliases(self.voice_aliases), **{v: v for v in self.voices}}
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -9,8 +9,9 @@ SpeechSession (admitted on its own), and sessions play in order. `Metadata` open
 `Warning` says what was accepted with a change (another vendor's voice name); `Error` refuses.
 POST /v1/speak speaks `{"text"}` and streams the bytes.
 
-Not supported: `speed` other than 1 (refused), Deepgram's own voices (their names get the default
-Orpheus voice, with a Warning).
+Voices: `model=aura-2-<voice>-<language>` (or a bare voice name) asks for a voice of this worker
+(voices.py). Not supported: `speed` other than 1 (refused), Deepgram's own voices (their names get the
+default voice, with a Warning, unless vendor_voice_fallback is off: then an Error).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -31,7 +33,8 @@ from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
 from .speech import PromptTooLong
-from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full, voice_for
+from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full
+from .voices import UnknownVoice, Voice, VoiceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 SOCKET_ENCODINGS = {"linear16": "pcm", "mulaw": "mulaw", "alaw": "alaw"}
 HTTP_ENCODINGS = {**SOCKET_ENCODINGS, "mp3": "mp3", "opus": "opus", "flac": "flac", "aac": "aac"}
 router = APIRouter()
+AURA_MODEL = re.compile(r"aura(?:-2)?-([^-]+)-[a-z]{2}(?:-[A-Za-z]{2})?")  # aura-2-<voice>-<language>
 
 
 class BadQuery(ValueError):
@@ -54,10 +58,26 @@ class Settings:
     warning: str | None  # said in a Warning message (the socket) or logged (HTTP)
 
 
-def settings_of(query, config, encodings: dict[str, str]) -> Settings:
-    model = query.get("model")
-    voice, known = voice_for(config, model)
-    warning = None if known or not model else f"{model!r} is not an Orpheus voice: speaking as {voice}"
+def voice_of(model: str | None) -> str | None:
+    """The voice a Deepgram model name asks for: `aura-2-tara-en` and `aura-tara-en` ask for tara; any other
+    name is taken as it is."""
+    found = AURA_MODEL.fullmatch(model or "")
+    return found.group(1) if found else model
+
+
+def model_entry(voice: Voice) -> dict[str, object]:
+    """A voice as Deepgram's model list (GET /v1/models, `tts`) describes a voice model."""
+    language = voice.language or "en"
+    return {"name": voice.name, "canonical_name": f"aura-2-{voice.name}-{language}", "architecture": "orpheus",
+            "languages": [language], "version": voice.kind, "uuid": voice.uuid}
+
+
+def settings_of(query, voices: VoiceRegistry, encodings: dict[str, str]) -> Settings:
+    try:
+        chosen, warning = voices.resolve_vendor(voice_of(query.get("model")))
+    except UnknownVoice as exc:
+        raise BadQuery(str(exc)) from None
+    voice = chosen.name
     speed = query.get("speed")
     if speed is not None and speed not in ("1", "1.0"):
         raise BadQuery("speed other than 1 is not supported: Orpheus speaks at its own pace")
@@ -221,7 +241,7 @@ async def deepgram_websocket(ws: WebSocket) -> None:
         return
     await ws.accept()
     try:
-        settings = settings_of(ws.query_params, runtime.config, SOCKET_ENCODINGS)
+        settings = settings_of(ws.query_params, runtime.voices, SOCKET_ENCODINGS)
     except BadQuery as exc:
         out = SocketWriter(ws)
         await out.tell(_message("Error", "INVALID_QUERY_PARAMETER", str(exc)))
@@ -233,9 +253,10 @@ async def deepgram_websocket(ws: WebSocket) -> None:
 @router.post("/v1/speak")
 async def deepgram_http(request: Request) -> Response:
     """`{"text"}` in, its audio streamed as the bytes come."""
-    config = request.app.state.runtime.config
+    runtime = request.app.state.runtime
+    config = runtime.config
     try:
-        settings = settings_of(request.query_params, config, HTTP_ENCODINGS)
+        settings = settings_of(request.query_params, runtime.voices, HTTP_ENCODINGS)
     except BadQuery as exc:
         raise ApiError(400, str(exc)) from None
     body = await text_body(request, "text")

@@ -29,6 +29,7 @@ from .encoding import AudioOutput, SilenceTrim, sse_delta, sse_done, sse_event
 from .errors import ApiError
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
 from .speech import PromptTooLong
+from .voices import UnknownVoice, VoiceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,15 @@ def check_text(text: str, config: LlmServerConfig, param: str = "input") -> None
                        "input_too_long")
 
 
-def validate(body: SpeechBody, config: LlmServerConfig) -> SpeechSpec:
-    """Check a request against this worker's limits; returns how to speak it."""
+def validate(body: SpeechBody, config: LlmServerConfig, voices: VoiceRegistry) -> SpeechSpec:
+    """Check a request against this worker's limits and voices; returns how to speak it."""
     if body.model not in config.model_names:
         raise ApiError(404, f"model {body.model!r} not found; this server speaks {list(config.model_names)}", "model", "model_not_found")
     check_text(body.input, config)
-    voice = config.voice_map.get(body.voice)
-    if voice is None:
-        raise ApiError(400, f"unknown voice {body.voice!r}; choose one of {sorted(config.voice_map)}", "voice")
+    try:
+        voice = voices.resolve(body.voice).name
+    except UnknownVoice as exc:
+        raise ApiError(400, str(exc), "voice") from None
     if body.response_format not in FORMATS:
         raise ApiError(400, f"response_format {body.response_format!r} is not supported; use one of {list(FORMATS)}", "response_format")
     if body.stream_format not in STREAM_FORMATS:
@@ -115,7 +117,7 @@ async def text_body(request: Request, field: str) -> dict:
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechBody, request: Request) -> Response:
     runtime = request.app.state.runtime
-    spec = validate(body, runtime.config)
+    spec = validate(body, runtime.config, runtime.voices)
     media = "text/event-stream" if body.stream_format == "sse" else spec.output.media_type
     return await speak_whole(request, spec, body.input, "speech", body.stream_format == "sse", media,
                              on_admit=lambda key: _log_request(runtime.config, body, spec.voice, key))

@@ -19,6 +19,7 @@ from .metrics import LlmMetrics
 from .model_source import resolve_model
 from .prompt import Tokenizer
 from .speech import SpeechPipeline
+from .voices import VoiceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Runtime:
     pipeline: SpeechPipeline
     admission: AdmissionController
     metrics: LlmMetrics
+    voices: VoiceRegistry
 
     @classmethod
     async def start(cls, config: LlmServerConfig) -> Runtime:
@@ -67,7 +69,7 @@ class Runtime:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         engine = build_engine(config, model_dir)
         await engine.start()
-        runtime = cls.assemble(config, engine, CodecClient(codec_client_config(config)), tokenizer)
+        runtime = cls.assemble(config, engine, CodecClient(codec_client_config(config)), tokenizer, model_dir)
         log.info(
             "worker ready: model %s (%s backend), codec at %s%s; admitting %d streams at first (%d to %d, by the "
             "pace the engine keeps)", config.model, config.backend, config.snac, " over TLS" if config.codec_tls_ca else "",
@@ -76,8 +78,11 @@ class Runtime:
         return runtime
 
     @classmethod
-    def assemble(cls, config: LlmServerConfig, engine: Engine, codec: CodecClient, tokenizer: Tokenizer) -> Runtime:
-        """A worker's runtime around a started engine and a codec client: metrics, pipeline, admission."""
+    def assemble(cls, config: LlmServerConfig, engine: Engine, codec: CodecClient, tokenizer: Tokenizer,
+                 model_dir: str | None = None) -> Runtime:
+        """A worker's runtime around a started engine and a codec client: metrics, pipeline, admission, and
+        the voices of the checkpoint in `model_dir` (voices.py)."""
+        voices = VoiceRegistry.of(config, model_dir)
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
         limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace)
@@ -86,7 +91,7 @@ class Runtime:
         metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
-        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics)
+        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics, voices)
 
     async def watch_capacity(self) -> None:
         """Move the admission limit every capacity_window_s, by the pace measured and the codec's failovers."""

@@ -1,5 +1,5 @@
 """What the WebSocket front doors (Cartesia- and Deepgram-compatible) share: one writer per socket,
-the capacity check at connect, voice names, and text limits."""
+the capacity check at connect and text limits."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from orpheus_common.http import TRY_AGAIN_LATER
 
 from .admission import CAPACITY
-from .config import LlmServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +76,6 @@ async def refuse_when_full(ws: WebSocket, runtime) -> bool:
     await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.admission.max_streams} concurrent streams")
     runtime.metrics.refused(CAPACITY)
     return True
-
-
-def voice_for(config: LlmServerConfig, name: str | None) -> tuple[str, bool]:
-    """The Orpheus voice for a client's voice name (Orpheus names and the OpenAI aliases); another
-    vendor's id gets the first voice, with False saying so."""
-    if name:
-        voice = config.voice_map.get(name.strip().lower())
-        if voice is not None:
-            return voice, True
-    return config.voices[0], False
 
 
 async def client_messages(ws: WebSocket, out: SocketWriter) -> AsyncIterator[str | None]:

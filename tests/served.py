@@ -43,12 +43,14 @@ class ScriptedEngineDouble:
         self.loop_after, self.loop_period = loop_after, loop_period  # then one block of frames, over and over
         self.end_of_speech = end_of_speech  # False: generation stops at `frames` without it (a spent budget)
         self.live = 0  # generators started and not yet finalized
+        self.prompts: dict[str, list[int]] = {}  # request id -> the prompt it was given
 
     async def start(self) -> None:
         pass
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
         self.live += 1
+        self.prompts[request_id] = list(prompt_ids)
         rng = random.Random(request_id)
         try:
             sent = 0
@@ -104,15 +106,17 @@ class Served:
 
 
 @asynccontextmanager
-async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, **overrides):
+async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, model_dir: str | None = None,
+                  **overrides):
     """The real app over a real Runtime (engine double) under uvicorn, in this event loop; its codec
-    client goes to `snac_server` unless `snac=` says otherwise."""
+    client goes to `snac_server` unless `snac=` says otherwise; `model_dir`: the checkpoint's directory,
+    for what the worker reads there besides the weights (its voices.json)."""
     # A fixed limit (min_streams = max_streams) unless a test asks otherwise: the engine double's pace is no GPU's.
     overrides.setdefault("max_streams", 64)
     overrides.setdefault("min_streams", overrides["max_streams"])
     config = LlmServerConfig(host="127.0.0.1", port=0, **{"snac": snac_server.address, **overrides})
     engine = engine or ScriptedEngineDouble()
-    runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble())
+    runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble(), model_dir)
     app = create_app(config, runtime)
     async with serve_app(app, sndbuf, log_level="info", timeout_graceful_shutdown=2) as port:
         yield Served(f"http://127.0.0.1:{port}", port, runtime, engine, app)
@@ -185,6 +189,9 @@ async def settled(served: Served, snac_server, baseline: set[asyncio.Task], with
                 readings["leaked"] = [repr(t.get_coro()) for t in leaked]
             return readings
         await asyncio.sleep(0.05)  # the server runs on this loop: let it work
+
+
+NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks")}
 
 
 async def baseline(served: Served, snac_server) -> set[asyncio.Task]:

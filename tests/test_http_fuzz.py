@@ -74,7 +74,7 @@ def tighten(raw: dict, stack) -> None:
     voices = httpx.get(f"{stack['url']}/v1/voices").json()
     props = raw["components"]["schemas"]["SpeechBody"]["properties"]
     props["model"]["enum"] = models
-    props["voice"]["enum"] = [v["id"] for v in voices["voices"]] + list(voices["aliases"])
+    props["voice"]["enum"] = [v["id"] for v in voices["data"]] + list(voices["aliases"])
     props["response_format"]["enum"] = list(FORMATS)
     props["stream_format"]["enum"] = list(STREAM_FORMATS)
     props["sample_rate"]["enum"] = list(SAMPLE_RATES)

@@ -215,7 +215,8 @@ def test_malformed_json_is_a_400(stack):
 def test_voices_models_health_metrics(stack):
     url = stack["url"]
     voices = httpx.get(f"{url}/v1/voices").json()
-    assert {v["id"] for v in voices["voices"]} >= {"tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"}
+    assert {v["id"] for v in voices["data"]} >= {"tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"}
+    assert {(v["kind"], v["language"]) for v in voices["data"]} == {("checkpoint", "en")}
     assert voices["aliases"]["alloy"] == "tara"
     assert {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]} >= {"orpheus", "tts-1"}
     assert httpx.get(f"{url}/health").status_code == 200

@@ -14,10 +14,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from served import FRAME_BYTES, ScriptedEngineDouble, baseline, cartesia, serving, settled
+from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, cartesia, serving, settled
 
 FRAME_SAMPLES = 2048
-NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks")}
 
 
 def ws_url(served, path: str) -> str:
