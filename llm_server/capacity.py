@@ -17,8 +17,9 @@ reached it), shrinking to at most half. Where a step's time is a fixed part plus
 part per stream (a GPU's: the weights are read once a step, each stream's KV cache once), that estimate
 lies between the current batch and the batch that runs at the target pace: the limit approaches it
 from either side without overshooting (tests/test_capacity.py holds this on such curves). The codec
-tier's headroom counts too: a codec stream failing over (a replica refusing, stalling or gone) shrinks
-the limit by CODEC_BACKOFF, at most once a window, and holds it from growing for CODEC_HOLD_WINDOWS.
+tier's headroom counts too: a codec stream failing over (a replica refusing, stalling or gone), or a
+window in which the codec's audio came late (a replica falling behind: runtime.py) shrinks the limit by
+CODEC_BACKOFF, at most once a window, and holds it from growing for CODEC_HOLD_WINDOWS.
 The limit stays within [floor, ceiling].
 """
 
@@ -158,7 +159,8 @@ class CapacityLimit:
         self.pace = None
 
     def codec_trouble(self) -> None:
-        """A codec stream failed over (a replica refused, stalled or went away) since the last window."""
+        """The codec tier was in trouble since the last window: a stream failed over (a replica refused, stalled
+        or went away) or its audio came late (a replica behind)."""
         self._codec_trouble = True
 
     def update(self, window: Window, peak_admitted: int, admitted: int) -> float:

@@ -9,7 +9,9 @@ codec's noise depends only on (seed, position), so the audio is the same as undi
 
 A replica that hangs (stopped, wedged) rather than dies is caught twice: a stream owed audio
 that gets none for `stall_timeout_s` fails over as if the replica had died, and keepalive
-pings take a silent replica's connection down, so new streams stop being sent to it.
+pings take a silent replica's connection down, so new streams stop being sent to it. One that
+falls behind (owed audio arriving after more than `behind_s`) is only counted: admission reads
+the count (runtime.py), as it reads the failovers.
 
 TLS (`tls_ca`, optional client certificate) is read when the channel is built; when the files
 change, the next stream gets a new channel and the old one closes once its streams are done.
@@ -67,6 +69,7 @@ class CodecClientConfig:
     # on it, re-pick it and stall again before round robin drops it: 6 leaves room for that.
     max_attempts: int = 6
     stall_timeout_s: float = 10.0  # owed audio, none for this long: the replica is hung
+    behind_s: float = 0.17  # owed audio arriving later than this: the replica is behind (two frames of audio)
     keepalive_s: float = 10.0  # ping each connection this often (server accepts >= 5 s)...
     keepalive_timeout_s: float = 5.0  # ...and drop it when a ping goes unanswered this long
     tls_ca: str = ""  # CA file: TLS on (plaintext without it)
@@ -85,14 +88,22 @@ class CodecClient:
         self._channel = self._connect()
         self._stub = codec_pb2_grpc.SnacCodecStub(self._channel)
         self._retired: set[grpc.aio.Channel] = set()  # old channels letting their streams finish
-        self.failovers = 0  # of every stream so far: the codec tier's trouble, which admission reads
+        # Of every stream so far: the codec tier's trouble and headroom, which admission reads.
+        self.failovers = 0
+        self.deliveries = 0  # chunks of owed audio received
+        self.late = 0  # of them, those that came after more than behind_s
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
-        return CodecStream(self.current_stub, self.config, seed, stream_id, on_failover=self._failed_over)
+        return CodecStream(self.current_stub, self.config, seed, stream_id, on_failover=self._failed_over,
+                           on_delivery=self._delivered)
 
     def _failed_over(self) -> None:
         self.failovers += 1
+
+    def _delivered(self, late: bool) -> None:
+        self.deliveries += 1
+        self.late += late
 
     def current_stub(self) -> codec_pb2_grpc.SnacCodecStub:
         """The stub every new call uses; a changed TLS file first swaps in a new channel."""
@@ -174,7 +185,7 @@ class CodecStream:
 
     def __init__(
         self, stub: Callable[[], codec_pb2_grpc.SnacCodecStub], config: CodecClientConfig, seed: int, stream_id: str,
-        on_failover: Callable[[], None] = lambda: None,
+        on_failover: Callable[[], None] = lambda: None, on_delivery: Callable[[bool], None] = lambda late: None,
     ) -> None:
         self._stub = stub  # called per call, so a failover uses the client's newest channel
         self._config = config
@@ -193,7 +204,9 @@ class CodecStream:
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
+        self.late = 0  # chunks of owed audio that came after more than behind_s
         self._on_failover = on_failover
+        self._on_delivery = on_delivery
 
     async def send(self, frames: np.ndarray) -> None:
         """Queue frames (n, 7) for decoding; a dead replica is noticed and replaced by chunks().
@@ -240,6 +253,7 @@ class CodecStream:
             if isinstance(message, grpc.aio.AioRpcError):
                 attempts = await self._failover(call, message, attempts)
                 continue
+            self._count_delivery(late=self._owed() and self._waited() > self._config.behind_s)
             chunk = self._accept(message)
             attempts = 1  # audio arrived: only failures in a row use up the attempts
             if chunk is not None:
@@ -300,6 +314,15 @@ class CodecStream:
             return reading.result()
         except grpc.aio.AioRpcError as exc:
             return exc
+
+    def _waited(self) -> float:
+        """How long the stream has waited for its owed audio (since it became owed, or since this read began:
+        a reader held up by a slow client does not count against the replica)."""
+        return asyncio.get_running_loop().time() - self._stall_clock
+
+    def _count_delivery(self, late: bool) -> None:
+        self.late += late
+        self._on_delivery(late)
 
     def _owed(self) -> bool:
         """Whether the replica should be producing audio: the frames sent make samples final that

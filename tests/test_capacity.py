@@ -19,6 +19,7 @@ from llm_server.capacity import (
     settled_limit,
 )
 from llm_server.config import GPU_TARGET_PACE
+from llm_server.runtime import codec_in_trouble
 
 TARGET = GPU_TARGET_PACE  # 1.05
 
@@ -201,3 +202,15 @@ def test_a_curve_needs_a_measured_point_and_skips_the_unmeasured():
     with pytest.raises(ValueError, match="no step time"):
         measured_curve({1: float("nan")})
     assert measured_curve({1: 2.0, 16: float("nan"), 64: 8.0})(32.5) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("failovers, deliveries, late, trouble", [
+    (0, 0, 0, False),  # an idle window
+    (0, 100, 5, False),  # a hiccup: 5% late
+    (0, 100, 6, True),  # a replica behind
+    (0, 1, 1, True),
+    (1, 100, 0, True),  # a failover: a replica refused, stalled or went away
+])
+def test_the_codec_tier_is_in_trouble_after_a_failover_or_when_more_than_5_percent_of_its_audio_is_late(
+        failovers, deliveries, late, trouble):
+    assert codec_in_trouble(failovers, deliveries, late) is trouble

@@ -141,3 +141,44 @@ async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
         await client.close()
         if hung:
             unhang(hung[0])
+
+
+async def test_a_replica_that_falls_behind_is_counted_late_not_failed_over(replicas):
+    """SIGSTOP the serving replica for 1.5 s (under the stall timeout), then SIGCONT: the owed audio comes
+    late (behind_s), which admission reads as a codec tier without headroom, and the stream goes on whole
+    on the same replica."""
+    pause_s, behind_s = 1.5, 0.5
+    frames = random_frames(24, seed=11)
+    client = _client(replicas, behind_s=behind_s)
+    paused, pausing = [], []
+
+    async def slowly(stream):  # frames keep coming during the pause, so audio is owed throughout
+        for i in range(0, len(frames), 2):
+            await stream.send(frames[i : i + 2])
+            await asyncio.sleep(0.2)
+        await stream.end()
+
+    async def pause(replica):
+        hang(replica)
+        await asyncio.sleep(pause_s)  # the stream's reader waits meanwhile, owed the audio of the frames sent
+        unhang(replica)
+
+    async def pause_the_serving_replica(chunk):
+        if not paused:
+            active = [await asyncio.to_thread(scrape, p.metrics_port, "snac_active_streams") for p in replicas]
+            paused.append(replicas[active.index(1)])
+            pausing.append(asyncio.create_task(pause(paused[0])))  # not in this callback: it holds the reader
+
+    try:
+        for p in replicas:  # earlier tests' streams have left, so the active count names this one's replica
+            assert await asyncio.to_thread(wait_metric_zero, p.metrics_port, "snac_active_streams", 5.0) == 0
+        _, chunks, _, stream = await _run(client, frames, seed=9, produce=slowly, on_chunk=pause_the_serving_replica)
+        await asyncio.gather(*pausing)
+    finally:
+        await client.close()
+        if paused:
+            unhang(paused[0])
+    assert stream.failovers == 0 and client.failovers == 0
+    assert stream.late >= 1 and client.late == stream.late
+    assert client.deliveries == len(chunks)
+    _assert_whole(chunks, len(frames))
