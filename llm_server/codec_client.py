@@ -10,8 +10,8 @@ codec's noise depends only on (seed, position), so the audio is the same as undi
 A replica that hangs (stopped, wedged) rather than dies is caught twice: a stream owed audio
 that gets none for `stall_timeout_s` fails over as if the replica had died, and keepalive
 pings take a silent replica's connection down, so new streams stop being sent to it. One that
-falls behind (owed audio arriving after more than `behind_s`) is only counted: admission reads
-the count (runtime.py), as it reads the failovers.
+falls behind (a chunk of owed audio taking longer to come than its own length and a frame's, at
+`target_pace`) is only counted: admission reads the count (runtime.py), as it reads the failovers.
 
 TLS (`tls_ca`, optional client certificate) is read when the channel is built; when the files
 change, the next stream gets a new channel and the old one closes once its streams are done.
@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from codec_contract.api import codec_pb2, codec_pb2_grpc
-from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, final_samples
+from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, SAMPLE_RATE, final_samples
 from codec_contract.client import END_REQUEST, SERVICE, channel, frames_request
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class CodecClientConfig:
     # on it, re-pick it and stall again before round robin drops it: 6 leaves room for that.
     max_attempts: int = 6
     stall_timeout_s: float = 10.0  # owed audio, none for this long: the replica is hung
-    behind_s: float = 0.17  # owed audio arriving later than this: the replica is behind (two frames of audio)
+    target_pace: float = 1.0  # audio per second of waiting a stream needs from its replica (the worker's target)
     keepalive_s: float = 10.0  # ping each connection this often (server accepts >= 5 s)...
     keepalive_timeout_s: float = 5.0  # ...and drop it when a ping goes unanswered this long
     tls_ca: str = ""  # CA file: TLS on (plaintext without it)
@@ -91,7 +91,7 @@ class CodecClient:
         # Of every stream so far: the codec tier's trouble and headroom, which admission reads.
         self.failovers = 0
         self.deliveries = 0  # chunks of owed audio received
-        self.late = 0  # of them, those that came after more than behind_s
+        self.late = 0  # of them, those that came slower than the target pace
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
@@ -204,7 +204,7 @@ class CodecStream:
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
-        self.late = 0  # chunks of owed audio that came after more than behind_s
+        self.late = 0  # chunks of owed audio that came slower than the target pace
         self._on_failover = on_failover
         self._on_delivery = on_delivery
 
@@ -253,7 +253,7 @@ class CodecStream:
             if isinstance(message, grpc.aio.AioRpcError):
                 attempts = await self._failover(call, message, attempts)
                 continue
-            self._count_delivery(late=self._owed() and self._waited() > self._config.behind_s)
+            self._count_delivery(late=self._owed() and self._late(message))
             chunk = self._accept(message)
             attempts = 1  # audio arrived: only failures in a row use up the attempts
             if chunk is not None:
@@ -315,10 +315,13 @@ class CodecStream:
         except grpc.aio.AioRpcError as exc:
             return exc
 
-    def _waited(self) -> float:
-        """How long the stream has waited for its owed audio (since it became owed, or since this read began:
-        a reader held up by a slow client does not count against the replica)."""
-        return asyncio.get_running_loop().time() - self._stall_clock
+    def _late(self, message: codec_pb2.PcmChunk) -> bool:
+        """Whether owed audio came slower than the target pace: the wait for it (since it became owed, or since
+        this read began: a reader held up by a slow client does not count against the replica) is longer than
+        the chunk's own length and a frame's, at that pace."""
+        waited = asyncio.get_running_loop().time() - self._stall_clock
+        samples = len(message.pcm) // self._sample_bytes + FRAME_SAMPLES
+        return waited > samples / SAMPLE_RATE / self._config.target_pace
 
     def _count_delivery(self, late: bool) -> None:
         self.late += late

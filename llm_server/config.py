@@ -80,6 +80,9 @@ class LlmServerConfig(Settings):
     # in slow motion, the pace benchmarks/concurrency.py --quick judges it by).
     target_pace: float | None = Field(None, gt=0)
     capacity_window_s: float = Field(1.0, gt=0)
+    # More than this share of a window's codec chunks slower than the target pace (a replica behind) shrinks
+    # the limit as a codec failover does; 1: never.
+    codec_late_share: float = Field(0.05, gt=0, le=1)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536

@@ -46,8 +46,8 @@ class LlmMetrics:
                                     ["key", "outcome"], registry=r)
         # cause: capacity (the worker's measured limit), key (an API key's own cap)
         self.refusals = Counter("megapod_worker_refusals", "Streams refused at admission, by cause", ["cause"], registry=r)
-        self.codec_late_chunks = Counter("orpheus_codec_late_chunks", "Codec audio chunks that arrived behind (after "
-                                         "two frames' time at the target pace): a codec tier without headroom", registry=r)
+        self.codec_late_chunks = Counter("orpheus_codec_late_chunks", "Codec audio chunks that came slower than the "
+                                         "target pace: a codec tier without headroom", registry=r)
         self.capacity = Gauge("megapod_worker_capacity_streams", "Streams this worker admits at once now (the "
                               "measured limit, llm_server/capacity.py)", registry=r)
         # The autoscaler's metric: a fixed active-stream target was wrong wherever the measured limit is not it.

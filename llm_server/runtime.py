@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from codec_contract.audio import FRAME_SAMPLES, POLICIES, SAMPLE_RATE
+from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
 from .capacity import CapacityLimit, PaceMeter
@@ -23,8 +23,6 @@ from .voices import VoiceRegistry
 
 log = logging.getLogger(__name__)
 
-CODEC_BEHIND_FRAMES = 2  # owed audio later than two frames' time (at the target pace): the codec is behind
-CODEC_LATE_SHARE = 0.05  # more than this share of a window's codec chunks late: the codec tier has no headroom
 
 def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
     """The worker's settings for its codec client: replicas, policy, stall deadline, when audio is late, TLS."""
@@ -32,8 +30,7 @@ def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
         addresses=config.snac,
         policy=POLICIES[config.codec_policy],
         stall_timeout_s=config.codec_stall_timeout_s,
-        # Owed audio later than this would hold a stream under the target pace: two frames' time at that pace.
-        behind_s=CODEC_BEHIND_FRAMES * FRAME_SAMPLES / SAMPLE_RATE / config.resolved_target_pace,
+        target_pace=config.resolved_target_pace,  # audio slower than this is late: the codec tier is behind
         tls_ca=config.codec_tls_ca,
         tls_cert=config.codec_tls_cert,
         tls_key=config.codec_tls_key,
@@ -41,10 +38,10 @@ def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
     )
 
 
-def codec_in_trouble(failovers: int, deliveries: int, late: int) -> bool:
+def codec_in_trouble(failovers: int, deliveries: int, late: int, late_share: float) -> bool:
     """Whether a window's codec streams say the codec tier has no headroom: a failover, or more than
-    CODEC_LATE_SHARE of its chunks late (one late chunk among many is a hiccup, not a replica behind)."""
-    return failovers > 0 or late > CODEC_LATE_SHARE * deliveries
+    `late_share` of its chunks late (one late chunk among many is a hiccup, not a replica behind)."""
+    return failovers > 0 or late > late_share * deliveries
 
 
 def build_engine(config: LlmServerConfig, model_dir: str) -> Engine:
@@ -106,13 +103,14 @@ class Runtime:
 
     async def watch_capacity(self) -> None:
         """Move the admission limit every capacity_window_s, by the pace measured and the codec tier's trouble:
-        a failover, or more than CODEC_LATE_SHARE of the window's audio arriving late (a replica behind)."""
+        a failover, or more than codec_late_share of the window's codec chunks late (a replica behind)."""
         failovers, deliveries, late = self.codec.failovers, self.codec.deliveries, self.codec.late
         while True:
             await asyncio.sleep(self.config.capacity_window_s)
             try:  # a failure here must not freeze the limit for the worker's life
                 self.metrics.codec_late_chunks.inc(self.codec.late - late)
-                if codec_in_trouble(self.codec.failovers - failovers, self.codec.deliveries - deliveries, self.codec.late - late):
+                if codec_in_trouble(self.codec.failovers - failovers, self.codec.deliveries - deliveries,
+                                    self.codec.late - late, self.config.codec_late_share):
                     self.admission.limit.codec_trouble()
                 failovers, deliveries, late = self.codec.failovers, self.codec.deliveries, self.codec.late
                 before = self.admission.max_streams

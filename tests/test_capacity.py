@@ -213,4 +213,5 @@ def test_a_curve_needs_a_measured_point_and_skips_the_unmeasured():
 ])
 def test_the_codec_tier_is_in_trouble_after_a_failover_or_when_more_than_5_percent_of_its_audio_is_late(
         failovers, deliveries, late, trouble):
-    assert codec_in_trouble(failovers, deliveries, late) is trouble
+    assert codec_in_trouble(failovers, deliveries, late, late_share=0.05) is trouble
+    assert not codec_in_trouble(0, deliveries, late, late_share=1.0)  # codec_late_share 1: lateness never counts

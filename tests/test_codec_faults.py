@@ -145,11 +145,11 @@ async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
 
 async def test_a_replica_that_falls_behind_is_counted_late_not_failed_over(replicas):
     """SIGSTOP the serving replica for 1.5 s (under the stall timeout), then SIGCONT: the owed audio comes
-    late (behind_s), which admission reads as a codec tier without headroom, and the stream goes on whole
-    on the same replica."""
-    pause_s, behind_s = 1.5, 0.5
+    late (slower than target_pace 2: a chunk of a frame or two due within 0.26 s), which admission reads as
+    a codec tier without headroom, and the stream goes on whole on the same replica."""
+    pause_s = 1.5
     frames = random_frames(24, seed=11)
-    client = _client(replicas, behind_s=behind_s)
+    client = _client(replicas, target_pace=2.0)
     paused, pausing = [], []
 
     async def slowly(stream):  # frames keep coming during the pause, so audio is owed throughout
