@@ -68,6 +68,7 @@ from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.processors.frame_processor import FrameProcessor  # noqa: E402
 from pipecat.services.cartesia.tts import CartesiaTTSService  # noqa: E402
 from pipecat.services.deepgram.tts import DeepgramTTSService  # noqa: E402
+from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService  # noqa: E402
 from pipecat.services.openai.tts import OpenAITTSService  # noqa: E402
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
@@ -78,6 +79,8 @@ PIPECAT = {
                                            settings=DeepgramTTSService.Settings(voice="tara"), stop_frame_timeout_s=60.0),
     "openai": lambda: OpenAITTSService(api_key="unused", base_url=f"{URL}/v1",
                                        settings=OpenAITTSService.Settings(voice="alloy"), stop_frame_timeout_s=60.0),
+    "elevenlabs": lambda: ElevenLabsTTSService(api_key="unused", url=f"ws://{HOST}",
+                                               settings=ElevenLabsTTSService.Settings(voice="tara"), stop_frame_timeout_s=60.0),
 }
 
 
@@ -87,6 +90,17 @@ async def test_pipecat_service_speaks(service):
     assert not [f for f in down + up if isinstance(f, ErrorFrame)]
     audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
     assert audio and all(f.sample_rate == 24000 and f.num_channels == 1 for f in audio)
+    assert whole_frames(sum(len(f.audio) for f in audio) // 2)
+
+
+async def test_pipecat_elevenlabs_http_service_speaks():
+    async with aiohttp.ClientSession() as session:
+        service = ElevenLabsHttpTTSService(api_key="unused", aiohttp_session=session, base_url=URL,
+                                           settings=ElevenLabsHttpTTSService.Settings(voice="tara"))
+        down, up = await run_test(service, frames_to_send=[TTSSpeakFrame(text=TEXT), SleepFrame(sleep=1.0)])
+    assert not [f for f in down + up if isinstance(f, ErrorFrame)]
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == 24000 for f in audio)
     assert whole_frames(sum(len(f.audio) for f in audio) // 2)
 
 
@@ -116,7 +130,7 @@ class BargeIn(FrameProcessor):
             await self.broadcast_interruption()  # reaches the TTS service upstream, as a real barge-in does
 
 
-@pytest.mark.parametrize("service", ["cartesia", "deepgram"])
+@pytest.mark.parametrize("service", ["cartesia", "deepgram", "elevenlabs"])
 async def test_pipecat_interruption_frees_the_engine_and_codec(service):
     before = requests_ended("cancelled")
     barge_in = BargeIn()
@@ -125,13 +139,14 @@ async def test_pipecat_interruption_frees_the_engine_and_codec(service):
     assert barge_in.heard, "audio was playing when the user spoke"
     assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
                                     "snac_active_streams": 0}
-    assert requests_ended("cancelled") > before, "the server saw the barge-in (cancel / Clear)"
+    assert requests_ended("cancelled") > before, "the server saw the barge-in (cancel / Clear / close_context)"
 
 
 # ---------------------------------------------------------------------------------------- LiveKit
 
 from livekit.plugins import cartesia as lk_cartesia  # noqa: E402
 from livekit.plugins import deepgram as lk_deepgram  # noqa: E402
+from livekit.plugins import elevenlabs as lk_elevenlabs  # noqa: E402
 from livekit.plugins import openai as lk_openai  # noqa: E402
 
 
@@ -140,6 +155,9 @@ def livekit(name: str, session: aiohttp.ClientSession, **kw):
         return lk_cartesia.TTS(api_key="unused", base_url=URL, voice="tara", http_session=session, **kw)
     if name == "deepgram":
         return lk_deepgram.TTS(api_key="unused", base_url=f"{URL}/v1/speak", model="tara", http_session=session, **kw)
+    if name == "elevenlabs":
+        return lk_elevenlabs.TTS(api_key="unused", base_url=f"{URL}/v1", voice_id="tara", http_session=session,
+                                 **{"encoding": "pcm_24000", **kw})
     return lk_openai.TTS(api_key="unused", base_url=f"{URL}/v1", voice="alloy", **kw)
 
 
@@ -154,7 +172,7 @@ def _marker(ev) -> bool:
     return ev.is_final and frame.samples_per_channel == frame.sample_rate // 100 and not any(bytes(frame.data))
 
 
-@pytest.mark.parametrize("name", ["cartesia", "deepgram"])
+@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs"])
 async def test_livekit_synthesize_and_stream(name):
     async with aiohttp.ClientSession() as session:
         tts = livekit(name, session)
@@ -188,7 +206,21 @@ async def test_livekit_openai_in_its_default_mp3_and_its_sse_mode(model, respons
         assert samples > 0 and (samples % FRAME <= MP3_PRIMING or samples % FRAME >= FRAME - 2), samples
 
 
-@pytest.mark.parametrize("name", ["cartesia", "deepgram"])
+async def test_livekit_elevenlabs_in_its_default_mp3():
+    """The plugin's default encoding, mp3_22050_32, over HTTP and the WebSocket."""
+    async with aiohttp.ClientSession() as session:
+        tts = lk_elevenlabs.TTS(api_key="unused", base_url=f"{URL}/v1", voice_id="tara", http_session=session)
+        synthesized = [ev async for ev in tts.synthesize(TEXT)]
+        async with tts.stream() as stream:
+            stream.push_text(TEXT)
+            stream.end_input()
+            streamed = [ev async for ev in stream]
+        await tts.aclose()
+    for events in (synthesized, streamed):
+        assert events and all(ev.frame.sample_rate == 22050 for ev in events) and samples_of(events) > 0
+
+
+@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs"])
 async def test_livekit_stream_closed_mid_speech_frees_the_engine_and_codec(name):
     before = requests_ended("disconnected") + requests_ended("cancelled")
     async with aiohttp.ClientSession() as session:

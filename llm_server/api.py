@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orpheus_common.http import CAPACITY_FREE, error_response
 
-from . import cartesia, deepgram, openai_speech, request_log
+from . import cartesia, deepgram, elevenlabs, openai_speech, request_log
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
@@ -107,7 +107,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for front_door in (openai_speech, cartesia, deepgram):
+    for front_door in (openai_speech, cartesia, deepgram, elevenlabs):
         app.include_router(front_door.router)
 
     @app.get("/v1/voices")

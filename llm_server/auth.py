@@ -1,6 +1,7 @@
 """Optional API keys on /v1/* and /tts/* (HTTP and WebSocket handshakes), each key name with its own
 stream cap. Each protocol's clients send the key their own way: `Authorization: Bearer` (OpenAI),
-`Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia).
+`Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia), `xi-api-key`
+(ElevenLabs).
 
 The keys file holds lines `name:key[:max_streams]` (`#` comments and blank lines allowed). A
 name may have several keys, so during a rotation the old and the new key both work; they share
@@ -127,8 +128,9 @@ def presented_key(scope: Scope) -> str | None:
     scheme, token = get_authorization_scheme_param(headers.get("authorization"))
     if scheme.lower() in ("bearer", "token") and token.strip():
         return token.strip()
-    if headers.get("x-api-key", "").strip():
-        return headers["x-api-key"].strip()
+    for header in ("x-api-key", "xi-api-key"):
+        if headers.get(header, "").strip():
+            return headers[header].strip()
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     return query["api_key"][0].strip() if query.get("api_key", [""])[0].strip() else None
 

@@ -123,11 +123,13 @@ class VoiceRegistry:
                             f"(and the aliases {sorted(self.aliases)})")
 
     def listing(self) -> dict[str, object]:
-        """GET /v1/voices: an OpenAI-style list, and the aliases."""
+        """GET /v1/voices: an OpenAI-style list and the aliases; `voices` is ElevenLabs' list (its clients'
+        list_voices reads voice_id, name and category)."""
         return {"object": "list",
                 "data": [{"id": v.name, "object": "voice", "name": v.name, "kind": v.kind, "language": v.language}
                          for v in self._voices.values()],
-                "aliases": dict(self.aliases)}
+                "aliases": dict(self.aliases),
+                "voices": [{"voice_id": v.name, "name": v.name, "category": v.kind} for v in self._voices.values()]}
 
 
 def voices_file(model: str) -> Path | None:

@@ -3,12 +3,14 @@ capacity (each worker's replies say how many more streams it would admit: its me
 active streams), then the fewest active streams; a worker at its limit (429) passes an HTTP request to
 the next one.
 
-Every front door is relayed: OpenAI's POST /v1/audio/speech, the Cartesia- and Deepgram-compatible
-WebSockets (/tts/websocket, /v1/speak) both ways, message by message, and their HTTP twins (POST
-/tts/bytes, /v1/speak), query strings included. Responses stream as they come. A client that
-disconnects closes the upstream request or socket at once, so the worker aborts generation. API
-keys are the workers' business: the front passes the headers each protocol authenticates with
-(`Authorization`, `X-API-Key`) and `X-Request-Id`, and relays refusals as they are.
+Every front door is relayed: OpenAI's POST /v1/audio/speech, the Cartesia-, Deepgram- and
+ElevenLabs-compatible WebSockets (/tts/websocket, /v1/speak, /v1/text-to-speech/{voice}/multi-stream-input
+and /stream-input) both ways, message by message, and their HTTP twins (POST /tts/bytes, /v1/speak,
+/v1/text-to-speech/{voice}[/stream[/with-timestamps]]), query strings included. Responses stream as they
+come. A client that disconnects closes the upstream request or socket at once, so the worker aborts
+generation. API keys are the workers' business: the front passes the headers each protocol
+authenticates with (`Authorization`, `X-API-Key`, `xi-api-key`) and `X-Request-Id`, and relays refusals
+as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ MAX_BODY_BYTES = 65536
 # Reply headers a worker sends that stop here: hop-by-hop ones, and its free capacity (the front's to read).
 _NOT_RELAYED = {"content-length", "transfer-encoding", "connection", "keep-alive", CAPACITY_FREE}
 # Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
-_PASSED_HEADERS = ("authorization", "x-api-key", "x-request-id")
+_PASSED_HEADERS = ("authorization", "x-api-key", "xi-api-key", "x-request-id")
 POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection, then gets a 503
 # A worker that vanished without closing (node lost) drops packets: a short connect timeout moves a new
 # stream on to the next worker soon. But a connect also times out when this process gets no CPU for
@@ -55,8 +57,10 @@ TIMEOUT = httpx.Timeout(10.0, connect=CONNECT_S, read=None, pool=POOL_WAIT_S)
 SLOW_TIMEOUT = httpx.Timeout(10.0, connect=SLOW_CONNECT_S, read=None, pool=POOL_WAIT_S)
 REFUSAL_READ_S = 2.0  # a worker's 429 body (a few hundred bytes) is read within this, else dropped
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
-SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak")
-SOCKETS = ("/tts/websocket", "/v1/speak")
+SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak", "/v1/text-to-speech/{voice_id}",
+                "/v1/text-to-speech/{voice_id}/stream", "/v1/text-to-speech/{voice_id}/stream/with-timestamps")
+SOCKETS = ("/tts/websocket", "/v1/speak", "/v1/text-to-speech/{voice_id}/multi-stream-input",
+           "/v1/text-to-speech/{voice_id}/stream-input")
 MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_streams)
 PROBE_EVERY_S = 1.0  # each worker's /ready is probed this often, in the background
 PROBE_TIMEOUT_S = 2.0

@@ -45,7 +45,9 @@ def test_a_checkpoints_voices_file_replaces_the_configured_voices_and_drops_alia
     assert "aliases left out" in caplog.text and "alloy" in caplog.text
     assert voices.listing() == {"object": "list", "aliases": {}, "data": [
         {"id": "pierre", "object": "voice", "name": "pierre", "kind": "checkpoint", "language": None},
-        {"id": "amelie", "object": "voice", "name": "amelie", "kind": "checkpoint", "language": "fr"}]}
+        {"id": "amelie", "object": "voice", "name": "amelie", "kind": "checkpoint", "language": "fr"}],
+        "voices": [{"voice_id": "pierre", "name": "pierre", "category": "checkpoint"},  # ElevenLabs' list_voices
+                   {"voice_id": "amelie", "name": "amelie", "category": "checkpoint"}]}
 
 
 @pytest.mark.parametrize("content, problem", [
