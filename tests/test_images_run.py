@@ -182,6 +182,24 @@ def test_a_build_starts_only_with_room_for_it(tmp_path, monkeypatch, free_before
     assert engine.calls == ([("image", "prune", "-f")] if pruned else [])
 
 
+def test_the_wheel_mirror_is_fetched_on_a_fresh_clone_whose_base_stand_in_is_already_built(tmp_path, monkeypatch) -> None:
+    """A fresh clone has no deploy/images/.cache; with the base stand-in present (no debootstrap step to make
+    it) and pyproject.toml changed (the mirror's key), the download must make it: it wrote its pin file
+    into a folder that did not exist (a fresh clone's `make test` failed so)."""
+    module = _module()
+    monkeypatch.setattr(module, "CACHE", tmp_path / "clone" / "deploy" / "images" / ".cache")
+    fetched = []
+
+    def pip_download_double(cmd, **kw):  # test double of `pip download`: the CPU torch wheel's file, named
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        (dest / f"torch-{module.TORCH_VERSION}+cpu-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
+        fetched.append(Path(cmd[cmd.index("--constraint") + 1]).read_text())
+
+    monkeypatch.setattr(module, "run", pip_download_double)
+    wheels = module.ensure_wheels(tmp_path / "wheels")
+    assert fetched == [f"torch=={module.TORCH_VERSION}\n"] and any(wheels.glob(".complete-*"))
+
+
 def test_a_failed_step_names_the_engines_error_first(tmp_path) -> None:
     """The error line leads the message: CI summaries cut the middle of a long build log."""
     module = _module()

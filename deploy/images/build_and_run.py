@@ -273,6 +273,7 @@ def ensure_wheels(wheels: Path = WHEELS) -> Path:
         log(f"wheel mirror {wheels} present ({sum(1 for _ in wheels.glob('*.whl'))} wheels)")
         return wheels
     wheels.mkdir(parents=True, exist_ok=True)
+    CACHE.mkdir(parents=True, exist_ok=True)  # a fresh clone has none until a build step made it (the base's may not run)
     keep = CACHE / "keep.txt"
     keep.write_text(f"torch=={TORCH_VERSION}\n")
     log("pip download: torch (CPU build), the project's dependencies with the cpu extra, setuptools")
