@@ -31,10 +31,11 @@ from codec_contract.audio import SAMPLE_RATE
 from .encoding import AudioOutput, UnsupportedOutput
 from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
-from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec, Words
-from .speech import PromptTooLong, SegmentEnd
+from .session import Audio, Refused, SpeechSession, SpeechSpec, Words
+from .speech import SegmentEnd
 from .voices import UnknownVoice
-from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full
+from .ws_util import (MAX_CONTEXTS, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full,
+                      stop_context)
 
 log = logging.getLogger(__name__)
 
@@ -190,31 +191,26 @@ class CartesiaSocket:
     async def _pump(self, context: _Context) -> None:
         """A context's audio, timestamps and done, in order; its end, however it comes."""
         cid, session = context.id, context.session
+
+        async def report(text: str, bad_input: bool) -> None:
+            await self._error(cid, 400 if bad_input else 500, text)
+
         try:
-            async for item in session.events():
-                if isinstance(item, Audio):
-                    started = time.perf_counter()
-                    message = {"type": "chunk", "data": base64.b64encode(item.data).decode(), "done": False,
-                               "status_code": 206, "context_id": cid}
-                    await session.send(lambda: self.out.json({**message, "step_time": round(1000 * (time.perf_counter() - started), 3)}),
-                                       item.seconds)
-                elif isinstance(item, Words) and context.timestamps and item.words:
-                    await self.out.json({"type": "timestamps", "context_id": cid, "status_code": 206, "done": False,
-                                         "word_timestamps": {"words": item.words, "start": item.starts, "end": item.ends}})
-                elif isinstance(item, SegmentEnd):
-                    context.segments_done = item.index + 1
-                    await self._answer_flushes(context)
-            await self.out.json({"type": "done", "done": True, "status_code": 206, "context_id": cid})
-        except ClientTooSlow:
-            await self.out.close(1008, "client too slow: too far behind real time")
-        except SocketGone:
-            session.cancel("disconnected")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if session.failed(exc):
-                bad_input = isinstance(exc, PromptTooLong)
-                await self._error(cid, 400 if bad_input else 500, str(exc) if bad_input else f"speech generation failed: {exc}")
+            async with context_audio(session, self.out, report):
+                async for item in session.events():
+                    if isinstance(item, Audio):
+                        started = time.perf_counter()
+                        message = {"type": "chunk", "data": base64.b64encode(item.data).decode(), "done": False,
+                                   "status_code": 206, "context_id": cid}
+                        await session.send(lambda: self.out.json({**message, "step_time": round(1000 * (time.perf_counter() - started), 3)}),
+                                           item.seconds)
+                    elif isinstance(item, Words) and context.timestamps and item.words:
+                        await self.out.json({"type": "timestamps", "context_id": cid, "status_code": 206, "done": False,
+                                             "word_timestamps": {"words": item.words, "start": item.starts, "end": item.ends}})
+                    elif isinstance(item, SegmentEnd):
+                        context.segments_done = item.index + 1
+                        await self._answer_flushes(context)
+                await self.out.json({"type": "done", "done": True, "status_code": 206, "context_id": cid})
         finally:
             if self.contexts.get(cid) is context:
                 del self.contexts[cid]
@@ -225,11 +221,7 @@ class CartesiaSocket:
         self.contexts.pop(context.id, None)
         if context.timer is not None:
             context.timer.cancel()
-        context.session.cancel(outcome)
-        if context.sender is not None:
-            context.sender.cancel()
-            await asyncio.gather(context.sender, return_exceptions=True)
-        await context.session.close()
+        await stop_context(context.session, context.sender, outcome)
 
     async def _error(self, context_id: str | None, status: int, text: str) -> None:
         await self.out.tell({"type": "error", "context_id": context_id, "status_code": status, "done": False,

@@ -45,10 +45,10 @@ from fastapi.responses import Response, StreamingResponse
 from .encoding import AudioOutput, UnsupportedOutput
 from .errors import ApiError
 from .openai_speech import refused_error, speak_whole, text_body, trim_of
-from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec, Words
-from .speech import PromptTooLong
+from .session import Audio, Refused, SpeechSession, SpeechSpec, Words
 from .voices import UnknownVoice
-from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full
+from .ws_util import (MAX_CONTEXTS, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full,
+                      stop_context)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -212,26 +212,17 @@ class ElevenLabsSocket:
         cid, session = context.id, context.session
         said = {} if self.single else {"contextId": cid}
         try:
-            async for item in session.events():
-                if isinstance(item, Audio):
-                    message = {**said, "audio": base64.b64encode(item.data).decode()}
-                    await session.send(lambda: self.out.json(message), item.seconds)
-                elif isinstance(item, Words) and item.words:
-                    alignment = char_alignment(item, 0.0 if self.cumulative else item.starts[0])
-                    await self.out.json({**said, "alignment": alignment, "normalizedAlignment": alignment})
-            await self.out.json({**said, "isFinal": True})
-            if self.single:
-                await self.out.close(1000, "done")
-        except ClientTooSlow:
-            await self.out.close(1008, "client too slow: too far behind real time")
-        except SocketGone:
-            session.cancel("disconnected")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if session.failed(exc):
-                text = str(exc) if isinstance(exc, PromptTooLong) else f"speech generation failed: {exc}"
-                await self._error(cid, text)
+            async with context_audio(session, self.out, lambda text, bad_input: self._error(cid, text)):
+                async for item in session.events():
+                    if isinstance(item, Audio):
+                        message = {**said, "audio": base64.b64encode(item.data).decode()}
+                        await session.send(lambda: self.out.json(message), item.seconds)
+                    elif isinstance(item, Words) and item.words:
+                        alignment = char_alignment(item, 0.0 if self.cumulative else item.starts[0])
+                        await self.out.json({**said, "alignment": alignment, "normalizedAlignment": alignment})
+                await self.out.json({**said, "isFinal": True})
+                if self.single:
+                    await self.out.close(1000, "done")
         finally:
             if self.contexts.get(cid) is context:
                 del self.contexts[cid]
@@ -240,11 +231,7 @@ class ElevenLabsSocket:
     async def _finish(self, context: _Context, outcome: str) -> None:
         """Stop a context now and release everything it holds."""
         self.contexts.pop(context.id, None)
-        context.session.cancel(outcome)
-        if context.sender is not None:
-            context.sender.cancel()
-            await asyncio.gather(context.sender, return_exceptions=True)
-        await context.session.close()
+        await stop_context(context.session, context.sender, outcome)
 
     async def _error(self, context_id: str | None, text: str) -> None:
         said = {} if self.single or context_id is None else {"contextId": context_id}

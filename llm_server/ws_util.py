@@ -1,12 +1,13 @@
-"""What the WebSocket front doors (Cartesia- and Deepgram-compatible) share: one writer per socket,
-the capacity check at connect and text limits."""
+"""What the WebSocket front doors (Cartesia-, Deepgram- and ElevenLabs-compatible) share: one writer per
+socket, the capacity check at connect, text limits, and how a context's audio ends and is stopped."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
@@ -14,6 +15,8 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from orpheus_common.http import TRY_AGAIN_LATER
 
 from .admission import CAPACITY
+from .session import ClientTooSlow, SpeechSession
+from .speech import PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +101,32 @@ def parse_message(text: str) -> dict:
     if not isinstance(message, dict):
         raise ValueError("a message must be a JSON object")
     return message
+
+
+@contextlib.asynccontextmanager
+async def context_audio(session: SpeechSession, out: SocketWriter,
+                        report: Callable[[str, bool], Awaitable[None]]) -> AsyncIterator[None]:
+    """Around the sending of one context's audio, however it ends: a client too far behind real time is cut
+    off (1008), a vanished one cancels the session, and a failure not yet told is reported in the protocol's
+    shape (`report(text, bad_input)`: bad_input for a prompt the context cannot hold)."""
+    try:
+        yield
+    except ClientTooSlow:
+        await out.close(1008, "client too slow: too far behind real time")
+    except SocketGone:
+        session.cancel("disconnected")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if session.failed(exc):
+            bad_input = isinstance(exc, PromptTooLong)
+            await report(str(exc) if bad_input else f"speech generation failed: {exc}", bad_input)
+
+
+async def stop_context(session: SpeechSession, sender: asyncio.Task | None, outcome: str) -> None:
+    """Stop a context's audio now and release what it holds: engine request, codec stream, slot."""
+    session.cancel(outcome)
+    if sender is not None:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+    await session.close()

@@ -145,6 +145,10 @@ async def serve_app(app, sndbuf: int = 0, **config):
         sock.close()
 
 
+def ws_url(served: Served, path: str) -> str:
+    return served.url.replace("http://", "ws://") + path
+
+
 def body(text: str = "Hello there.", **kw) -> dict:
     return {"model": "tts-1", "input": text, "voice": "tara", "response_format": "pcm", **kw}
 

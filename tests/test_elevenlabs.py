@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, serving, settled
+from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, serving, settled, ws_url
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -21,10 +21,6 @@ from llm_server.ws_util import MAX_CONTEXTS
 
 FRAMES = 4  # the engine double's frames per sentence
 MULTI = "/v1/text-to-speech/tara/multi-stream-input?model_id=eleven_flash_v2_5&output_format=pcm_24000"
-
-
-def ws_url(served, path: str) -> str:
-    return served.url.replace("http://", "ws://") + path
 
 
 async def replies(ws, until, within_s: float = 60.0) -> list[dict]:

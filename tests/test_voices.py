@@ -10,7 +10,8 @@ import logging
 
 import httpx
 import pytest
-from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, cartesia, serving, settled
+from served import (NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, cartesia, serving, settled,
+                    ws_url)
 from websockets.asyncio.client import connect
 
 from llm_server.config import LlmServerConfig
@@ -107,7 +108,7 @@ async def test_every_door_speaks_the_checkpoints_own_voices(snac_server, french_
             cartesia_reply = await client.post("/tts/bytes", json={
                 "model_id": "sonic-3", "transcript": "Salut.", "voice": {"mode": "id", "id": "pierre"},
                 "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}})
-        async with connect(served.url.replace("http", "ws") + "/v1/speak?model=aura-2-amelie-fr") as ws:
+        async with connect(ws_url(served, "/v1/speak?model=aura-2-amelie-fr")) as ws:
             metadata = json.loads(await ws.recv())
             await ws.send(json.dumps({"type": "Speak", "text": "Merci."}))
             await ws.send(json.dumps({"type": "Flush"}))
@@ -130,12 +131,12 @@ async def test_every_door_speaks_the_checkpoints_own_voices(snac_server, french_
 async def test_with_the_fallback_off_another_vendors_voice_is_refused_in_each_protocol_and_nothing_is_held(snac_server):
     async with serving(snac_server, ScriptedEngineDouble(frames=3), vendor_voice_fallback=False) as served:
         quiet = await baseline(served, snac_server)
-        async with connect(served.url.replace("http", "ws") + "/tts/websocket") as ws:
+        async with connect(ws_url(served, "/tts/websocket")) as ws:
             await ws.send(cartesia("c1", "Hello.", more=False, voice={"mode": "id", "id": "a0e99841-438c-4a64-b679-ae501e7d6091"}))
             error = json.loads(await ws.recv())
             await ws.send(cartesia("c2", "Hello.", more=False, voice={"mode": "id", "id": "leo"}))  # the socket lives on
             spoken = [json.loads(await ws.recv()) for _ in range(2)]
-        async with connect(served.url.replace("http", "ws") + "/v1/speak?model=aura-2-thalia-en") as ws:
+        async with connect(ws_url(served, "/v1/speak?model=aura-2-thalia-en")) as ws:
             deepgram_error = json.loads(await ws.recv())
         async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
             deepgram_http = await client.post("/v1/speak?model=aura-2-thalia-en", json={"text": "Hi."})

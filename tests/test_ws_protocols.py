@@ -14,13 +14,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, cartesia, serving, settled
+from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, cartesia, serving, settled, ws_url
 
 FRAME_SAMPLES = 2048
-
-
-def ws_url(served, path: str) -> str:
-    return served.url.replace("http://", "ws://") + path
 
 
 async def until_done(ws, context_ids: set[str], timeout_s: float = 60.0) -> dict[str, list[dict]]:
