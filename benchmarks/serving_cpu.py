@@ -114,7 +114,7 @@ class StepEngineDouble:
             for request in self._live.values():
                 request.step(self.stream_interval)
 
-    async def generate(self, prompt_ids, sampling, request_id: str):
+    async def generate(self, prompt_ids, sampling, request_id: str, adapter=None):
         rng = random.Random(request_id)
         request = _Request([code_to_token(rng.randrange(CODEBOOK_SIZE), i % 7) for i in range(7 * self.frames)])
         self._live[request_id] = request

@@ -73,12 +73,14 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         # vLLM's own API server does the same after start-up.
         gc.collect()
         gc.freeze()
-        watching = asyncio.create_task(app.state.runtime.watch_capacity())
+        watching = [asyncio.create_task(app.state.runtime.watch_capacity()),
+                    asyncio.create_task(app.state.runtime.watch_voices())]
         try:
             yield
         finally:
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            for task in watching:
+                task.cancel()
+            await asyncio.gather(*watching, return_exceptions=True)
             await app.state.runtime.stop()
 
     app = SpeechApp(title="Orpheus MegaPod", lifespan=lifespan)

@@ -76,7 +76,7 @@ def spec_of(message: dict, runtime, containers: tuple[str, ...] = ("raw",)) -> S
         output = AudioOutput(ENCODINGS[encoding] if container == "raw" else container, int(fmt.get("sample_rate", SAMPLE_RATE)))
     except (UnsupportedOutput, TypeError, ValueError) as exc:
         raise Refusal(400, f"output_format: {exc}") from None
-    return SpeechSpec(chosen.name, random.getrandbits(31), output, trim_of(runtime.config))
+    return SpeechSpec(chosen, random.getrandbits(31), output, trim_of(runtime.config))
 
 
 class _Context:

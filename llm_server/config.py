@@ -32,6 +32,7 @@ def parse_aliases(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes (vllm/config/lora.py)
 GPU_TARGET_PACE = 1.05  # streams decode 5% ahead of real time
 CPU_TARGET_PACE = 0.105  # a tenth of that: slow motion
 
@@ -57,6 +58,10 @@ class LlmServerConfig(Settings):
     # Another vendor's stock voice id on its door (a Cartesia UUID, Deepgram's aura-2-thalia-en): spoken in the
     # default voice (true), or refused like an unknown OpenAI voice (false).
     vendor_voice_fallback: bool = True
+    # Voices of the operator's own (voices.py): a directory whose sub-directories are voices (a PEFT LoRA adapter
+    # each), re-read every voices_poll_s while serving.
+    voices_dir: str = ""
+    voices_poll_s: float = Field(1.0, gt=0)
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
     codec_policy: Policy = "streaming"  # reference: for comparison
@@ -124,6 +129,12 @@ class LlmServerConfig(Settings):
     trtllm_attention: Literal["auto", "on", "off"] = "auto"
     load_format: str = "auto"  # `dummy`: real architecture, random weights (GPU benchmarks)
     enforce_eager: bool = False
+    # vLLM's multi-LoRA, for LoRA voices. Unset: on when the voices directory holds an adapter at start (LoRA costs
+    # every step, used or not); true: on from the start, for adapters added later to an empty directory.
+    enable_lora: bool | None = None
+    max_loras: int = Field(4, ge=1)  # different adapters in one batch
+    max_lora_rank: int = Field(16, json_schema_extra={"enum": list(LORA_RANKS)})  # an adapter of a higher rank is refused
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept loaded (least recently used go); unset: max_loras
     speculative_config: str = ""  # JSON, passed through to the engine
     grace_s: float = 30.0
 
@@ -132,6 +143,8 @@ class LlmServerConfig(Settings):
         parse_aliases(self.voice_aliases)  # well-formed; aliases of voices the checkpoint lacks are left out (voices.py)
         if bool(self.codec_tls_cert) != bool(self.codec_tls_key):
             raise ValueError("codec_tls_cert and codec_tls_key go together")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of vLLM's {LORA_RANKS}")
         if (self.codec_tls_cert or self.codec_tls_server_name) and not self.codec_tls_ca:
             raise ValueError("codec_tls_cert and codec_tls_server_name need codec_tls_ca (TLS to the codec tier)")
         return self

@@ -53,7 +53,7 @@ class BadQuery(ValueError):
 class Settings:
     """What a socket or request asked for in its query, resolved."""
 
-    voice: str
+    voice: Voice
     output: AudioOutput
     warning: str | None  # said in a Warning message (the socket) or logged (HTTP)
 
@@ -77,7 +77,6 @@ def settings_of(query, voices: VoiceRegistry, encodings: dict[str, str]) -> Sett
         chosen, warning = voices.resolve_vendor(voice_of(query.get("model")))
     except UnknownVoice as exc:
         raise BadQuery(str(exc)) from None
-    voice = chosen.name
     speed = query.get("speed")
     if speed is not None and speed not in ("1", "1.0"):
         raise BadQuery("speed other than 1 is not supported: Orpheus speaks at its own pace")
@@ -86,7 +85,7 @@ def settings_of(query, voices: VoiceRegistry, encodings: dict[str, str]) -> Sett
         raise BadQuery(f"encoding {encoding!r} is not one of {sorted(encodings)}")
     fmt = "wav" if encoding == "linear16" and query.get("container") == "wav" else encodings[encoding]
     try:
-        return Settings(voice, AudioOutput(fmt, int(query.get("sample_rate", SAMPLE_RATE))), warning)
+        return Settings(chosen, AudioOutput(fmt, int(query.get("sample_rate", SAMPLE_RATE))), warning)
     except (UnsupportedOutput, ValueError) as exc:
         raise BadQuery(str(exc)) from None
 
@@ -106,7 +105,7 @@ class DeepgramSocket:
 
     async def run(self) -> None:
         request_id = uuid.uuid4().hex
-        await self.out.tell({"type": "Metadata", "request_id": request_id, "model_name": self.settings.voice,
+        await self.out.tell({"type": "Metadata", "request_id": request_id, "model_name": self.settings.voice.name,
                              "model_version": "orpheus", "model_uuid": request_id})
         if self.settings.warning:
             await self._warning("VOICE_SUBSTITUTED", self.settings.warning)

@@ -88,7 +88,7 @@ def spec_of(runtime, voice_id: str, query) -> SpeechSpec:
     if substituted:
         log.info("elevenlabs voice: %s", substituted)
     output = output_of(query.get("output_format") or DEFAULT_FORMAT)
-    return SpeechSpec(voice.name, random.getrandbits(31), output, trim_of(runtime.config))
+    return SpeechSpec(voice, random.getrandbits(31), output, trim_of(runtime.config))
 
 
 def char_alignment(words: Words, origin: float) -> dict[str, list]:

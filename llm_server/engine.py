@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .voices import Adapter
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,13 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Load the model and be ready to generate."""
 
-    def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[list[int]]:
-        """Stream the new token ids of one request; closing the iterator early aborts it."""
+    def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str,
+                 adapter: Adapter | None = None) -> AsyncIterator[list[int]]:
+        """Stream the new token ids of one request (through LoRA `adapter`, if given); closing the iterator
+        early aborts it."""
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Load a LoRA adapter for requests to use; EngineError saying why it cannot."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV cache."""

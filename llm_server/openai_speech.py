@@ -73,7 +73,7 @@ def validate(body: SpeechBody, config: LlmServerConfig, voices: VoiceRegistry) -
         raise ApiError(404, f"model {body.model!r} not found; this server speaks {list(config.model_names)}", "model", "model_not_found")
     check_text(body.input, config)
     try:
-        voice = voices.resolve(body.voice).name
+        voice = voices.resolve(body.voice)
     except UnknownVoice as exc:
         raise ApiError(400, str(exc), "voice") from None
     if body.response_format not in FORMATS:
@@ -120,7 +120,7 @@ async def speech(body: SpeechBody, request: Request) -> Response:
     spec = validate(body, runtime.config, runtime.voices)
     media = "text/event-stream" if body.stream_format == "sse" else spec.output.media_type
     return await speak_whole(request, spec, body.input, "speech", body.stream_format == "sse", media,
-                             on_admit=lambda key: _log_request(runtime.config, body, spec.voice, key))
+                             on_admit=lambda key: _log_request(runtime.config, body, spec.voice.name, key))
 
 
 async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, sse: bool = False,

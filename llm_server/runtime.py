@@ -19,7 +19,7 @@ from .metrics import LlmMetrics
 from .model_source import resolve_model
 from .prompt import Tokenizer
 from .speech import SpeechPipeline
-from .voices import VoiceRegistry
+from .voices import VoiceRegistry, VoicesDirectory
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Runtime:
     admission: AdmissionController
     metrics: LlmMetrics
     voices: VoiceRegistry
+    voices_dir: VoicesDirectory | None = None  # the operator's own voices (--voices-dir), re-read while serving
 
     @classmethod
     async def start(cls, config: LlmServerConfig) -> Runtime:
@@ -78,6 +79,7 @@ class Runtime:
         engine = build_engine(config, model_dir)
         await engine.start()
         runtime = cls.assemble(config, engine, CodecClient(codec_client_config(config)), tokenizer, model_dir)
+        await runtime.refresh_voices()
         log.info(
             "worker ready: model %s (%s backend), codec at %s%s; admitting %d streams at first (%d to %d, by the "
             "pace the engine keeps)", config.model, config.backend, config.snac, " over TLS" if config.codec_tls_ca else "",
@@ -89,8 +91,9 @@ class Runtime:
     def assemble(cls, config: LlmServerConfig, engine: Engine, codec: CodecClient, tokenizer: Tokenizer,
                  model_dir: str | None = None) -> Runtime:
         """A worker's runtime around a started engine and a codec client: metrics, pipeline, admission, and
-        the voices of the checkpoint in `model_dir` (voices.py)."""
+        the voices of the checkpoint in `model_dir` and of the voices directory (voices.py; refresh_voices reads it)."""
         voices = VoiceRegistry.of(config, model_dir)
+        voices_dir = VoicesDirectory(config.voices_dir) if config.voices_dir else None
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
         limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace)
@@ -99,7 +102,22 @@ class Runtime:
         metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
-        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics, voices)
+        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics, voices, voices_dir)
+
+    async def refresh_voices(self) -> None:
+        """Read the voices directory again if it changed: new adapters loaded into the engine, removed ones
+        no longer offered."""
+        if self.voices_dir is not None:
+            await self.voices_dir.refresh(self.voices, self.engine.load_adapter)
+
+    async def watch_voices(self) -> None:
+        """refresh_voices every voices_poll_s, while serving."""
+        while self.voices_dir is not None:
+            await asyncio.sleep(self.config.voices_poll_s)
+            try:  # a failure here must not stop the worker from seeing later changes
+                await self.refresh_voices()
+            except Exception:
+                log.exception("reading the voices directory %s failed; its voices stay as they were", self.config.voices_dir)
 
     async def watch_capacity(self) -> None:
         """Move the admission limit every capacity_window_s, by the pace measured and the codec tier's trouble:

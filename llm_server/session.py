@@ -22,6 +22,7 @@ from .encoding import S16_BYTES as SAMPLE_BYTES
 from .encoding import AudioOutput, SilenceTrim, StreamEncoder, first_audible
 from .prompt import TextSegmenter, split_sentences
 from .speech import PromptTooLong, SegmentEnd, SpeechJob, SpeechStream
+from .voices import Voice
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class ClientTooSlow(Exception):
 class SpeechSpec:
     """How to speak: voice, seed, the bytes the client wants, and whether to trim leading silence."""
 
-    voice: str
+    voice: Voice
     seed: int
     output: AudioOutput = AudioOutput()
     trim: SilenceTrim | None = None

@@ -24,6 +24,7 @@ from .engine import Engine, Sampling
 from .metrics import LlmMetrics
 from .prompt import Tokenizer, prompt_ids, token_budget
 from .runaway import WINDOW, LoopDetector
+from .voices import Voice
 
 log = logging.getLogger(__name__)
 MIN_SPEECH_TOKENS = 8  # the fewest tokens a segment is generated with: room the prompt must leave
@@ -39,7 +40,7 @@ class SpeechJob:
     """What is spoken, by whom: the request id (names engine and codec requests), voice and seed."""
 
     request_id: str
-    voice: str
+    voice: Voice
     seed: int
 
 
@@ -150,14 +151,14 @@ class SpeechPipeline:
 
     async def generate(self, out: SpeechStream, codec: CodecStream, text: str, seed: int, request_id: str) -> None:
         """One segment: its engine request, its frames sent to `codec` as they complete, then the end."""
-        ids = prompt_ids(self._tokenizer, out.job.voice, text)
+        ids = prompt_ids(self._tokenizer, out.job.voice.prompt_name, text)
         if len(ids) + MIN_SPEECH_TOKENS > self._config.max_model_len:
             raise PromptTooLong(f"a segment of the input ({len(text)} characters) is a {len(ids)}-token prompt; this "
                                 f"worker's context is {self._config.max_model_len} tokens (max_model_len)")
         out.prompt_tokens += len(ids)
         assembler, loops = FrameAssembler(), LoopDetector()
         sampling = self._sampling(text, len(ids), seed)
-        generation = self.engine.generate(ids, sampling, request_id)
+        generation = self.engine.generate(ids, sampling, request_id, out.job.voice.adapter)
         generated = sent = 0
         keep: int | None = None
         # Closed here even when cancelled mid-send (or ended for a loop): the engine aborts the request

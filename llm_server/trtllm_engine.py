@@ -17,6 +17,7 @@ from .audio_tokens import CODES_PER_FRAME, STOP_TOKEN_IDS
 from .config import LlmServerConfig
 from .engine import EngineError, Sampling
 from .slot_mask import blocked_ids
+from .voices import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,15 @@ class TrtLlmEngine:
         )
         log.info("TensorRT-LLM engine up")
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[list[int]]:
+    async def load_adapter(self, adapter: Adapter) -> None:
+        raise EngineError("LoRA voices are served by the vLLM backend (--backend vllm)")
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str,
+                       adapter: Adapter | None = None) -> AsyncIterator[list[int]]:
         from tensorrt_llm import SamplingParams
+
+        if adapter is not None:  # the registry offers no LoRA voice here: load_adapter refused them all
+            raise EngineError("LoRA voices are served by the vLLM backend (--backend vllm)")
 
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,

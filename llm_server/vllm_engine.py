@@ -19,6 +19,7 @@ from .engine import EngineError, Sampling
 from .engine_probe import WORKER_EXTENSION
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
 from .model_source import TINY
+from .voices import Adapter, has_adapters
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,11 @@ def _cpu_environment(config: LlmServerConfig) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def lora_enabled(config: LlmServerConfig) -> bool:
+    """LoRA as configured; unset, on when the voices directory holds an adapter (it costs every step)."""
+    return config.enable_lora if config.enable_lora is not None else has_adapters(config.voices_dir)
+
+
 def engine_args(config: LlmServerConfig, model_dir: str):
     """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -73,6 +79,10 @@ def engine_args(config: LlmServerConfig, model_dir: str):
         kv_cache_dtype=config.kv_cache_dtype,
         load_format=config.load_format,
         enforce_eager=config.enforce_eager,
+        enable_lora=lora_enabled(config),
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
         speculative_config=json.loads(config.speculative_config) if config.speculative_config else None,
         attention_config=attention_config(config, device, os.environ),
         logits_processors=[FrameConstraintV1],
@@ -151,12 +161,26 @@ class VllmEngine:
             extra_args={OPT_IN: True} if sampling.frame_constrained else None, **common,
         )
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str) -> AsyncIterator[list[int]]:
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """vLLM's runtime adapter loading (what its /v1/load_lora_adapter does): the engine reads and checks the
+        PEFT directory (rank, target modules) now, so a bad adapter is refused here, not in a request."""
+        if not self._engine.vllm_config.lora_config:
+            raise EngineError("LoRA is off in this engine: it is on when the voices directory holds an adapter at "
+                              "start, or with --enable-lora true")
+        try:
+            await self._engine.add_lora(_lora_request(adapter))
+        except Exception as exc:
+            raise EngineError(f"vLLM cannot load the adapter: {exc}") from exc
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str,
+                       adapter: Adapter | None = None) -> AsyncIterator[list[int]]:
         from vllm.inputs import TokensPrompt
 
         finished = False
+        lora = _lora_request(adapter) if adapter is not None else None
         try:
-            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), self._params(sampling), request_id):
+            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), self._params(sampling),
+                                                      request_id, lora_request=lora):
                 tokens = list(output.outputs[0].token_ids)
                 if tokens:
                     yield tokens
@@ -185,3 +209,9 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def _lora_request(adapter: Adapter):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.name, lora_int_id=adapter.id, lora_path=adapter.path)

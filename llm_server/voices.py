@@ -1,12 +1,21 @@
 """The voices a worker speaks, by name: the one registry every front door resolves its voice field through.
 
-A voice has a name, a kind and, where known, a language. Today every voice is the checkpoint's own (kind
-`checkpoint`): a speaker the fine-tune learned, spoken by putting its name before the text (prompt.py).
-They come from a `voices.json` beside the checkpoint when it has one (a fine-tune in another language
-names its own speakers), else from --voices (the English fine-tune's eight, in --voices-language).
-`voices.json` is a JSON list whose items are a name or {"name": ..., "language": ...}:
+A voice has a name, a kind and, where known, a language. Two kinds:
 
-    ["pierre", {"name": "amelie", "language": "fr"}]
+- `checkpoint`: a speaker the fine-tune learned, spoken by putting its name before the text (prompt.py).
+  They come from a `voices.json` beside the checkpoint when it has one (a fine-tune in another language
+  names its own speakers), else from --voices (the English fine-tune's eight, in --voices-language).
+  `voices.json` is a JSON list whose items are a name or {"name": ..., "language": ...}:
+
+      ["pierre", {"name": "amelie", "language": "fr"}]
+
+- `lora`: a PEFT LoRA adapter directory in the voices directory (--voices-dir), named by its directory,
+  applied by the engine to that voice's requests only (vLLM's multi-LoRA: streams of different adapters
+  and of the base share a batch). The prompt names the speaker the adapter was trained on: the directory's
+  name, or `speaker` in an optional `voice.json` beside the adapter (`{"speaker": "tara", "language": "en"}`).
+  The directory is re-read while serving (VoicesDirectory): an adapter added becomes a voice once the
+  engine has loaded it (one it cannot load is logged and not offered), one removed stops being offered;
+  requests already speaking with it finish from the engine's adapter cache.
 
 Aliases let clients ask by another vendor's names (OpenAI's thirteen); those that point at a voice the
 checkpoint lacks are left out, with a log line. An OpenAI `voice` must be a voice or an alias: anything
@@ -17,10 +26,12 @@ the protocol's warning or logged, unless vendor_voice_fallback is off, when they
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +43,19 @@ log = logging.getLogger(__name__)
 
 VOICES_FILE = "voices.json"
 CHECKPOINT = "checkpoint"  # a speaker the checkpoint was fine-tuned on
+LORA = "lora"  # a LoRA adapter over the checkpoint
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter
+VOICE_FILE = "voice.json"  # optional, in a voice's directory: its speaker and language
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter the engine applies to one voice's requests: a PEFT directory, and an id and a name unique
+    to this version of it (an adapter replaced under the same name is a new adapter to the engine's cache)."""
+
+    name: str
+    id: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,12 @@ class Voice:
     name: str
     kind: str
     language: str | None = None
+    speaker: str | None = None  # the name the prompt gives, when not the voice's own
+    adapter: Adapter | None = None
+
+    @property
+    def prompt_name(self) -> str:
+        return self.speaker or self.name
 
     @property
     def uuid(self) -> str:
@@ -70,6 +100,7 @@ class VoiceRegistry:
         self._voices = {v.name.lower(): v for v in voices}
         if len(self._voices) != len(voices):
             raise ValueError(f"voice names repeat (case-insensitive): {[v.name for v in voices]}")
+        self._checkpoint = dict(self._voices)
         self.aliases = {a.lower(): t.lower() for a, t in aliases.items() if t.lower() in self._voices}
         if dropped := sorted(set(aliases) - set(self.aliases)):
             log.info("voice aliases left out (their voice is not this checkpoint's): %s", ", ".join(dropped))
@@ -86,6 +117,13 @@ class VoiceRegistry:
         else:
             voices = [Voice(name, CHECKPOINT, config.voices_language or None) for name in config.voices]
         return cls(voices, parse_aliases(config.voice_aliases), config.vendor_voice_fallback)
+
+    def is_checkpoints(self, name: str) -> bool:
+        return name.lower() in self._checkpoint
+
+    def update_own(self, found: Sequence[Voice]) -> None:
+        """Replace the voices directory's voices with `found` (named unlike the checkpoint's)."""
+        self._voices = {**self._checkpoint, **{v.name.lower(): v for v in found}}
 
     @property
     def voices(self) -> list[Voice]:
@@ -162,3 +200,96 @@ def read_voices_file(path: Path) -> list[Voice]:
     if not voices:
         raise ValueError(f"{path} lists no voice")
     return voices
+
+
+class _VoiceFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    speaker: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[^\s:]+$")
+    language: str | None = Field(None, min_length=2, max_length=16)
+
+
+_NAME = re.compile(r"^[^\s:/\\.][^\s:/\\]{0,63}$")  # a voice name, and no hidden directory
+
+
+# The engine knows an adapter by its id alone (one it has loaded under an id is never read again): ids are unique
+# in the process, whichever directory an adapter comes from.
+_ADAPTER_IDS = itertools.count(1)
+
+
+def has_adapters(root: str) -> bool:
+    """Whether the voices directory `root` holds a LoRA adapter (LoRA is on in the engine at start then)."""
+    return bool(root) and Path(root).is_dir() and any((d / ADAPTER_CONFIG).is_file() for d in Path(root).iterdir())
+
+
+class VoicesDirectory:
+    """The voices directory (--voices-dir): one sub-directory a voice, read again whenever it changes.
+
+    refresh() compares what the directory holds (names, sizes, modification times) with the last reading;
+    on a change it reads each voice, has the engine load adapters it has not seen (`load`: the engine's
+    load_adapter, which raises saying why it cannot) and gives the registry the voices that are usable."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+        self._seen: object = None
+        self._versions: dict[tuple[str, object], int] = {}  # (voice, its files' reading) -> adapter id
+        self._loaded: set[int] = set()
+
+    def _reading(self) -> tuple:
+        if not self.root.is_dir():
+            return ()
+        return tuple(sorted((d.name, _files_of(d)) for d in self.root.iterdir() if d.is_dir()))
+
+    async def refresh(self, registry: VoiceRegistry, load: Callable[[Adapter], Awaitable[None]]) -> bool:
+        """Read the directory again if it changed; True if it did."""
+        reading = self._reading()
+        if reading == self._seen:
+            return False
+        self._seen = reading
+        usable = []
+        for name, files in reading:
+            voice = self._voice(name, files, registry)
+            if voice is None:
+                continue
+            if voice.adapter is not None and voice.adapter.id not in self._loaded:
+                try:
+                    await load(voice.adapter)
+                except Exception as exc:
+                    log.warning("voice %r (%s) is not offered: %s", name, self.root / name, exc)
+                    continue
+                self._loaded.add(voice.adapter.id)
+            usable.append(voice)
+        registry.update_own(usable)
+        log.info("voices directory %s: %s", self.root, ", ".join(f"{v.name} ({v.kind})" for v in usable) or "none")
+        return True
+
+    def _voice(self, name: str, files: tuple, registry: VoiceRegistry) -> Voice | None:
+        """The voice in sub-directory `name`, or None (logged) if it is none."""
+        path = self.root / name
+        try:
+            if not _NAME.match(name):
+                raise ValueError("not a voice name (no spaces, colons or leading dot; at most 64 characters)")
+            if registry.is_checkpoints(name):
+                raise ValueError("the checkpoint has a voice of that name")
+            about = _VoiceFile.model_validate_json((path / VOICE_FILE).read_text()) if (path / VOICE_FILE).is_file() \
+                else _VoiceFile()
+            if (path / ADAPTER_CONFIG).is_file():
+                peft = json.loads((path / ADAPTER_CONFIG).read_text())
+                if peft.get("peft_type") != "LORA":
+                    raise ValueError(f"{ADAPTER_CONFIG} says peft_type {peft.get('peft_type')!r}, not LORA")
+                if (name, files) not in self._versions:
+                    self._versions[name, files] = next(_ADAPTER_IDS)
+                version = self._versions[name, files]
+                return Voice(name, LORA, about.language, about.speaker, Adapter(f"{name}@{version}", version, str(path)))
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError and JSONDecodeError are ValueErrors
+            log.warning("voice %r (%s) is not offered: %s", name, path, exc)
+            return None
+        log.debug("%s holds no voice (no %s)", path, ADAPTER_CONFIG)
+        return None
+
+
+def _files_of(directory: Path) -> tuple:
+    """What changes when a voice's files do: each file's name, size and modification time."""
+    try:
+        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file()))
+    except OSError:  # removed while read
+        return ()

@@ -23,6 +23,7 @@ from llm_server.codec_client import CodecClient
 from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
 from llm_server.runtime import Runtime, codec_client_config
+from llm_server.voices import Adapter
 
 FRAME_BYTES = 2048 * 2  # s16 samples per frame
 BYTES_PER_SECOND = 24000 * 2
@@ -44,13 +45,22 @@ class ScriptedEngineDouble:
         self.end_of_speech = end_of_speech  # False: generation stops at `frames` without it (a spent budget)
         self.live = 0  # generators started and not yet finalized
         self.prompts: dict[str, list[int]] = {}  # request id -> the prompt it was given
+        self.adapters: dict[str, Adapter | None] = {}  # request id -> the LoRA adapter it was given
+        self.loaded: list[Adapter] = []  # adapters load_adapter took, in order
+        self.unloadable: set[str] = set()  # paths load_adapter refuses, as an engine refuses a broken adapter
 
     async def start(self) -> None:
         pass
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
+    async def load_adapter(self, adapter: Adapter) -> None:
+        if adapter.path in self.unloadable:
+            raise EngineError(f"scripted refusal of {adapter.path}")
+        self.loaded.append(adapter)
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str, adapter: Adapter | None = None):
         self.live += 1
         self.prompts[request_id] = list(prompt_ids)
+        self.adapters[request_id] = adapter
         rng = random.Random(request_id)
         try:
             sent = 0

