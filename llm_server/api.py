@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orpheus_common.http import CAPACITY_FREE, error_response
 
-from . import cartesia, deepgram, elevenlabs, openai_speech, request_log
+from . import cartesia, clones, deepgram, elevenlabs, openai_speech, request_log
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
@@ -85,7 +85,8 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
 
     app = SpeechApp(title="Orpheus MegaPod", lifespan=lifespan)
     app.state.draining = False  # set on SIGTERM (server.py): /ready says 503 from then on
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       larger={"/v1/voices": config.max_reference_bytes})  # a clone's recording
     app.add_middleware(CapacityHeaderMiddleware)
     if config.api_keys_file:
         keys = ApiKeys(config.api_keys_file)
@@ -109,8 +110,8 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for front_door in (openai_speech, cartesia, deepgram, elevenlabs):
-        app.include_router(front_door.router)
+    for routes in (openai_speech, cartesia, deepgram, elevenlabs, clones):
+        app.include_router(routes.router)
 
     @app.get("/v1/voices")
     async def voices(request: Request) -> dict:

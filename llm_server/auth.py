@@ -3,7 +3,8 @@ stream cap. Each protocol's clients send the key their own way: `Authorization: 
 `Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia), `xi-api-key`
 (ElevenLabs).
 
-The keys file holds lines `name:key[:max_streams]` (`#` comments and blank lines allowed). A
+The keys file holds lines `name:key[:max_streams[:permissions]]` (`#` comments and blank lines allowed);
+permissions, comma-separated, grant more than speaking: `voices` creates and deletes voices (clones.py). A
 name may have several keys, so during a rotation the old and the new key both work; they share
 the name's stream cap. The file is re-read when its mtime or size changes (a mounted Secret
 being updated); a file that no longer parses keeps the previous keys and logs an error, while
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY = re.compile(r"\S{8,512}")
 PROTECTED_PREFIXES = ("/v1/", "/tts/")
+PERMISSIONS = frozenset({"voices"})
 
 
 class ApiKeysError(ValueError):
@@ -44,6 +46,7 @@ class ApiKey:
     name: str
     secret: bytes
     max_streams: int = 0  # 0: only the worker-wide cap applies
+    permissions: frozenset[str] = frozenset()
 
 
 def parse_keys(text: str) -> tuple[ApiKey, ...]:
@@ -55,14 +58,18 @@ def parse_keys(text: str) -> tuple[ApiKey, ...]:
         if not line or line.startswith("#"):
             continue
         parts = line.split(":")
-        if len(parts) not in (2, 3) or not _NAME.fullmatch(parts[0]) or not _KEY.fullmatch(parts[1]):
-            raise ApiKeysError(f"line {number}: expected name:key[:max_streams] (name [A-Za-z0-9._-], key 8+ characters)")
-        cap = parts[2] if len(parts) == 3 else "0"
+        if len(parts) not in (2, 3, 4) or not _NAME.fullmatch(parts[0]) or not _KEY.fullmatch(parts[1]):
+            raise ApiKeysError(f"line {number}: expected name:key[:max_streams[:permissions]] (name [A-Za-z0-9._-], "
+                               "key 8+ characters)")
+        cap = parts[2] if len(parts) >= 3 and parts[2] else "0"
+        permissions = frozenset(p.strip() for p in parts[3].split(",") if p.strip()) if len(parts) == 4 else frozenset()
+        if unknown := permissions - PERMISSIONS:
+            raise ApiKeysError(f"line {number}: unknown permission {sorted(unknown)}; there is {sorted(PERMISSIONS)}")
         if not cap.isdigit():
             raise ApiKeysError(f"line {number}: max_streams must be a whole number")
         if caps.setdefault(parts[0], int(cap)) != int(cap):
             raise ApiKeysError(f"line {number}: name {parts[0]!r} has another max_streams on an earlier line")
-        keys.append(ApiKey(parts[0], parts[1].encode(), int(cap)))
+        keys.append(ApiKey(parts[0], parts[1].encode(), int(cap), permissions))
     if not keys:
         raise ApiKeysError("no keys in the file")
     if len({k.secret for k in keys}) != len(keys):

@@ -30,7 +30,8 @@ import grpc
 import numpy as np
 
 from codec_contract.api import codec_pb2, codec_pb2_grpc
-from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, SAMPLE_RATE, final_samples
+from codec_contract.audio import (CODES_PER_FRAME, FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, SAMPLE_RATE, final_samples,
+                                  unpack_frames)
 from codec_contract.client import END_REQUEST, SERVICE, channel, frames_request
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,12 @@ _RETIRE_GRACE_S = 300.0
 
 
 class CodecError(RuntimeError):
-    """The codec tier could not produce a stream's audio (no replica left, or it refused the input)."""
+    """The codec tier could not produce a stream's audio or a recording's frames (no replica left, or it
+    refused the input: `status` then says how)."""
+
+    def __init__(self, message: str, status: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def channel_target(addresses: str) -> str:
@@ -97,6 +103,20 @@ class CodecClient:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
         return CodecStream(self.current_stub, self.config, seed, stream_id, on_failover=self._failed_over,
                            on_delivery=self._delivered)
+
+    async def encode(self, pcm: np.ndarray, timeout_s: float = 120.0) -> np.ndarray:
+        """A recording (24 kHz mono float32 in [-1, 1]) as (n, 7) frames, encoded by a replica round robin picks;
+        tried once more (round robin: another replica) if that one is unreachable or fails. CodecError carries
+        the replica's status and reason otherwise (INVALID_ARGUMENT: the recording's fault)."""
+        request = codec_pb2.EncodeRequest(sample_rate=SAMPLE_RATE, pcm=np.asarray(pcm, "<f4").tobytes())
+        for attempt in (1, 2):
+            try:
+                reply = await self.current_stub().Encode(request, timeout=timeout_s, wait_for_ready=True)
+                return unpack_frames(reply.codes)
+            except grpc.aio.AioRpcError as exc:
+                if attempt == 2 or exc.code() not in _RETRYABLE:
+                    raise CodecError(f"{exc.code().name}: {exc.details()}", exc.code()) from exc
+        raise AssertionError("unreachable")
 
     def _failed_over(self) -> None:
         self.failovers += 1

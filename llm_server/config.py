@@ -62,6 +62,10 @@ class LlmServerConfig(Settings):
     # each), re-read every voices_poll_s while serving.
     voices_dir: str = ""
     voices_poll_s: float = Field(1.0, gt=0)
+    # Clone voices (clones.py, POST /v1/voices): the longest reference recording, its upload's size, its transcript.
+    max_reference_s: float = Field(30.0, gt=0)
+    max_reference_bytes: int = Field(16 << 20, ge=1)
+    max_transcript_chars: int = Field(1000, ge=1)
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
     codec_policy: Policy = "streaming"  # reference: for comparison

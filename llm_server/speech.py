@@ -16,13 +16,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from codec_contract.audio import unpack_frames
+
 from .audio_tokens import FrameAssembler
 from .capacity import PaceMeter
 from .codec_client import AudioChunk, CodecClient, CodecError, CodecStream
 from .config import LlmServerConfig
 from .engine import Engine, Sampling
 from .metrics import LlmMetrics
-from .prompt import Tokenizer, prompt_ids, token_budget
+from .prompt import Tokenizer, clone_prompt_ids, prompt_ids, token_budget
 from .runaway import WINDOW, LoopDetector
 from .voices import Voice
 
@@ -149,9 +151,14 @@ class SpeechPipeline:
         """Begin a stream; add() its segments, iterate audio() for PCM."""
         return SpeechStream(self, job)
 
+    def _prompt(self, voice: Voice, text: str) -> list[int]:
+        if voice.reference is not None:
+            return clone_prompt_ids(self._tokenizer, voice.reference.transcript, unpack_frames(voice.reference.frames), text)
+        return prompt_ids(self._tokenizer, voice.prompt_name, text)
+
     async def generate(self, out: SpeechStream, codec: CodecStream, text: str, seed: int, request_id: str) -> None:
         """One segment: its engine request, its frames sent to `codec` as they complete, then the end."""
-        ids = prompt_ids(self._tokenizer, out.job.voice.prompt_name, text)
+        ids = self._prompt(out.job.voice, text)
         if len(ids) + MIN_SPEECH_TOKENS > self._config.max_model_len:
             raise PromptTooLong(f"a segment of the input ({len(text)} characters) is a {len(ids)}-token prompt; this "
                                 f"worker's context is {self._config.max_model_len} tokens (max_model_len)")

@@ -16,6 +16,8 @@ A voice has a name, a kind and, where known, a language. Two kinds:
   The directory is re-read while serving (VoicesDirectory): an adapter added becomes a voice once the
   engine has loaded it (one it cannot load is logged and not offered), one removed stops being offered;
   requests already speaking with it finish from the engine's adapter cache.
+- `clone`: a zero-shot clone (POST /v1/voices, clones.py): a reference recording's frames and its transcript,
+  in `clone.json` in the voice's directory; its requests are prompted with them (prompt.clone_prompt_ids).
 
 Aliases let clients ask by another vendor's names (OpenAI's thirteen); those that point at a voice the
 checkpoint lacks are left out, with a log line. An OpenAI `voice` must be a voice or an alias: anything
@@ -34,8 +36,11 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, pack_frames
 
 from .config import LlmServerConfig, parse_aliases
 
@@ -44,6 +49,8 @@ log = logging.getLogger(__name__)
 VOICES_FILE = "voices.json"
 CHECKPOINT = "checkpoint"  # a speaker the checkpoint was fine-tuned on
 LORA = "lora"  # a LoRA adapter over the checkpoint
+CLONE = "clone"  # a zero-shot clone of a reference recording
+CLONE_FILE = "clone.json"  # what makes a directory a clone voice
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter
 VOICE_FILE = "voice.json"  # optional, in a voice's directory: its speaker and language
 
@@ -59,12 +66,21 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """A clone voice's reference: its transcript and the recording's frames (packed, 14 bytes a frame)."""
+
+    transcript: str
+    frames: bytes
+
+
+@dataclass(frozen=True)
 class Voice:
     name: str
     kind: str
     language: str | None = None
     speaker: str | None = None  # the name the prompt gives, when not the voice's own
     adapter: Adapter | None = None
+    reference: Reference | None = None
 
     @property
     def prompt_name(self) -> str:
@@ -202,13 +218,31 @@ def read_voices_file(path: Path) -> list[Voice]:
     return voices
 
 
+class CloneFile(BaseModel):
+    """clone.json: what POST /v1/voices stores for a clone voice."""
+
+    model_config = ConfigDict(extra="forbid")
+    transcript: str = Field(min_length=1)
+    language: str | None = Field(None, min_length=2, max_length=16)
+    frames: list[list[Annotated[int, Field(ge=0, lt=CODEBOOK_SIZE)]]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _whole_frames(self) -> CloneFile:
+        if any(len(frame) != CODES_PER_FRAME for frame in self.frames):
+            raise ValueError(f"every frame holds {CODES_PER_FRAME} codes")
+        return self
+
+    def voice(self, name: str) -> Voice:
+        return Voice(name, CLONE, self.language, reference=Reference(self.transcript, pack_frames(self.frames)))
+
+
 class _VoiceFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     speaker: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[^\s:]+$")
     language: str | None = Field(None, min_length=2, max_length=16)
 
 
-_NAME = re.compile(r"^[^\s:/\\.][^\s:/\\]{0,63}$")  # a voice name, and no hidden directory
+VOICE_NAME = re.compile(r"^[^\s:/\\.][^\s:/\\]{0,63}$")  # a voice name, and no hidden directory
 
 
 # The engine knows an adapter by its id alone (one it has loaded under an id is never read again): ids are unique
@@ -237,7 +271,8 @@ class VoicesDirectory:
     def _reading(self) -> tuple:
         if not self.root.is_dir():
             return ()
-        return tuple(sorted((d.name, _files_of(d)) for d in self.root.iterdir() if d.is_dir()))
+        # A leading dot: a voice being written (clones.py), or no voice at all.
+        return tuple(sorted((d.name, _files_of(d)) for d in self.root.iterdir() if d.is_dir() and d.name[0] != "."))
 
     async def refresh(self, registry: VoiceRegistry, load: Callable[[Adapter], Awaitable[None]]) -> bool:
         """Read the directory again if it changed; True if it did."""
@@ -266,12 +301,14 @@ class VoicesDirectory:
         """The voice in sub-directory `name`, or None (logged) if it is none."""
         path = self.root / name
         try:
-            if not _NAME.match(name):
+            if not VOICE_NAME.match(name):
                 raise ValueError("not a voice name (no spaces, colons or leading dot; at most 64 characters)")
             if registry.is_checkpoints(name):
                 raise ValueError("the checkpoint has a voice of that name")
             about = _VoiceFile.model_validate_json((path / VOICE_FILE).read_text()) if (path / VOICE_FILE).is_file() \
                 else _VoiceFile()
+            if (path / CLONE_FILE).is_file():
+                return CloneFile.model_validate_json((path / CLONE_FILE).read_text()).voice(name)
             if (path / ADAPTER_CONFIG).is_file():
                 peft = json.loads((path / ADAPTER_CONFIG).read_text())
                 if peft.get("peft_type") != "LORA":
@@ -283,7 +320,7 @@ class VoicesDirectory:
         except (OSError, ValueError) as exc:  # pydantic's ValidationError and JSONDecodeError are ValueErrors
             log.warning("voice %r (%s) is not offered: %s", name, path, exc)
             return None
-        log.debug("%s holds no voice (no %s)", path, ADAPTER_CONFIG)
+        log.debug("%s holds no voice (no %s or %s)", path, ADAPTER_CONFIG, CLONE_FILE)
         return None
 
 

@@ -7,6 +7,7 @@ run and a cluster deployment describe the same MegaPod.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -79,6 +80,10 @@ class MegaPodConfig(Settings):
     # leaves the Services' endpoints and DNS. On one machine nothing routes by endpoints: 0.
     endpoint_delay_s: Annotated[float, Sets(chart=("drain.endpointDelayS",))] = Field(0.0, ge=0)
     restart_dead: bool = True  # the launcher restarts a process that dies
+    # The voices directory every worker reads (LoRA adapters, clones made through POST /v1/voices): one for all,
+    # so a voice made through one worker is every worker's. The chart's is a volume of its own.
+    voices_dir: Annotated[str, Sets(llm="voices_dir", chart=())] = os.path.join(
+        os.path.expanduser("~"), ".cache", "orpheus-megapod", "voices")
 
     @property
     def random_weights(self) -> bool:

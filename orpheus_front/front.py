@@ -42,6 +42,10 @@ from orpheus_common.settings import Settings
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
+# POST /v1/voices: a clone's reference recording (a worker's own limit, max_reference_bytes, is 16 MiB), and how
+# long a worker may take to decode and encode it.
+VOICE_UPLOAD_BYTES = (16 << 20) + (64 << 10)
+VOICE_TIMEOUT_S = 120.0
 # Reply headers a worker sends that stop here: hop-by-hop ones, and its free capacity (the front's to read).
 _NOT_RELAYED = {"content-length", "transfer-encoding", "connection", "keep-alive", CAPACITY_FREE}
 # Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
@@ -354,11 +358,20 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
 
     @app.get("/v1/voices")
     async def voices(request: Request) -> Response:
-        return await _forward_get(client, pool, "/v1/voices", _passed(request))
+        return await _forward(client, pool, request)
+
+    @app.post("/v1/voices")
+    @app.delete("/v1/voices/{name}")
+    async def change_voices(request: Request) -> Response:
+        """A clone made or deleted: by one worker, into the voices directory every worker reads."""
+        body = await _bounded_body(request, VOICE_UPLOAD_BYTES)
+        if body is None:
+            return error_response(413, f"request body over {VOICE_UPLOAD_BYTES} bytes")
+        return await _forward(client, pool, request, body, timeout=VOICE_TIMEOUT_S)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await _forward_get(client, pool, "/v1/models", _passed(request))
+        return await _forward(client, pool, request)
 
     @app.get("/health")
     async def health() -> dict:
@@ -389,12 +402,12 @@ def _attempts(workers: list[str], timed_out: list[str]) -> Iterator[tuple[str, h
         yield url, SLOW_TIMEOUT
 
 
-async def _bounded_body(request: Request) -> bytes | None:
-    """The request body, or None as soon as it grows past MAX_BODY_BYTES (never read whole)."""
+async def _bounded_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The request body, or None as soon as it grows past `limit` (never read whole)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
@@ -404,12 +417,22 @@ def _passed(request: Request) -> dict[str, str]:
     return {name: request.headers[name] for name in _PASSED_HEADERS if name in request.headers}
 
 
-async def _forward_get(client: httpx.AsyncClient, pool: WorkerPool, path: str, headers: dict[str, str]) -> Response:
+async def _forward(client: httpx.AsyncClient, pool: WorkerPool, request: Request, body: bytes = b"",
+                   timeout: float = 5.0) -> Response:
+    """The request, to the first worker that takes it (the next one if a worker cannot be reached)."""
+    headers = _passed(request)
+    if body:
+        headers["content-type"] = request.headers.get("content-type", "application/octet-stream")
     for url in pool.order():
         try:
-            reply = await client.get(f"{url}{path}", headers=headers, timeout=5.0)
-        except httpx.HTTPError:
-            continue
+            reply = await client.request(request.method, f"{url}{request.url.path}", content=body or None,
+                                         headers=headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError) or request.method == "GET":
+                continue
+            # It took the request, then failed or timed out: a voice made or deleted is not asked for twice.
+            log.warning("worker %s failed %s %s: %r", url, request.method, request.url.path, exc)
+            return error_response(502, f"the worker failed the request: {type(exc).__name__}")
         relayed = {k: v for k, v in reply.headers.items() if k.lower() in ("www-authenticate", "x-request-id", "retry-after")}
         return Response(reply.content, reply.status_code, headers=relayed, media_type=reply.headers.get("content-type"))
     return error_response(503, "no worker reachable")

@@ -7,8 +7,10 @@ NoiseBlock for PositionalNoise so the output depends only on codes, seed and pos
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ from snac.layers import NoiseBlock
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .frames import frames_to_levels
+from .frames import frames_to_levels, levels_to_frames
 from .noise import NoiseContext, PositionalNoise, fold_seed
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,37 @@ class SnacDecoder(nn.Module):
         seeds = torch.tensor([fold_seed(seed)], dtype=torch.int64, device=self.device)
         start = torch.zeros(1, dtype=torch.int64, device=self.device)
         return self(batch, seeds, start)[0].cpu().numpy()
+
+
+class SnacEncoder:
+    """PCM -> frames with SNAC's own encoder (a clone voice's reference), always in fp32: it runs once a voice,
+    and its codes are what every request of that voice is prompted with.
+
+    Encodes run one at a time on a thread of their own (on a GPU, that thread's own CUDA stream), beside the
+    decode thread, never on it: a 30 s recording takes seconds on a CPU core, and the decode thread's steps
+    must not wait for it."""
+
+    def __init__(self, snac: SNAC, device: torch.device) -> None:
+        fold_weight_norm(snac)
+        self.snac = snac.to(device=device, dtype=torch.float32)
+        self.device = device
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="snac-encode", initializer=self._bind)
+
+    def _bind(self) -> None:
+        if self.device.type == "cuda":  # the thread's current device, and a stream apart from the decode thread's
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
+
+    async def encode_async(self, pcm: np.ndarray) -> np.ndarray:
+        """encode() on the encoder's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.encode, pcm)
+
+    @torch.inference_mode()
+    def encode(self, pcm: np.ndarray) -> np.ndarray:
+        """24 kHz float32 PCM -> (n, 7) int32 frames; SNAC pads the end to a whole frame with silence."""
+        audio = torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)).to(self.device)[None, None]
+        l0, l1, l2 = (level[0] for level in self.snac.encode(audio))
+        return levels_to_frames(l0, l1, l2).cpu().numpy().astype(np.int32)
 
 
 def use_exact_fp32() -> None:

@@ -47,6 +47,8 @@ class SnacServerConfig(Settings):
                                                                 json_schema_extra={"contains": {"const": 1}})
     policy: Policy = "streaming"  # default for sessions that do not choose
     max_streams: int = Field(1024, ge=1)  # concurrent streams, and decoder state slots (485 KiB each in fp32)
+    # The longest recording Encode takes (a clone voice's reference); gRPC's 4 MiB message limit holds 43.6 s.
+    max_encode_s: float = Field(30.0, gt=0, le=43.0)
     max_connection_age_s: float = 300.0  # clients reconnect, so new replicas get traffic
     grace_s: float = 30.0  # SIGTERM: how long in-flight streams may finish
     # TLS: cert+key turn it on (re-read when the files change); a client CA also requires client certs.

@@ -12,7 +12,8 @@ import torch
 
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES, unpack_frames
 
-__all__ = ["CODEBOOK_SIZE", "CODES_PER_FRAME", "FRAME_SAMPLES", "InvalidFrames", "frames_to_levels", "validate_codes"]
+__all__ = ["CODEBOOK_SIZE", "CODES_PER_FRAME", "FRAME_SAMPLES", "InvalidFrames", "frames_to_levels", "levels_to_frames",
+           "validate_codes"]
 
 # The slots of each level, in the order their codes follow each other within a frame.
 _L1_SLOTS = (1, 4)
@@ -50,3 +51,13 @@ def frames_to_levels(frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     l1 = torch.stack([frames[..., s] for s in _L1_SLOTS], dim=-1).reshape(*lead, 2 * n)
     l2 = torch.stack([frames[..., s] for s in _L2_SLOTS], dim=-1).reshape(*lead, 4 * n)
     return frames[..., 0], l1, l2
+
+
+def levels_to_frames(l0: torch.Tensor, l1: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """SNAC's levels shaped (n,), (2n,), (4n,) as (n, 7) frames: frames_to_levels undone."""
+    n = l0.shape[-1]
+    frames = torch.empty(n, CODES_PER_FRAME, dtype=l0.dtype, device=l0.device)
+    frames[:, 0] = l0
+    frames[:, list(_L1_SLOTS)] = l1.reshape(n, len(_L1_SLOTS))
+    frames[:, list(_L2_SLOTS)] = l2.reshape(n, len(_L2_SLOTS))
+    return frames

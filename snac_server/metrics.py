@@ -37,6 +37,9 @@ class SnacMetrics:
         )
         self.frames_emitted = Counter("snac_emitted_frames", "Audio sent to clients, in frames (2048 samples)", registry=r)
         self.streams_total = Counter("snac_streams", "Decode streams by outcome", ["outcome"], registry=r)
+        self.encode_latency = Histogram("snac_encode_seconds", "Wall time of one encode (a clone voice's reference "
+                                        "recording), on the encoder's thread", buckets=_LATENCY_BUCKETS, registry=r)
+        self.encodes_total = Counter("snac_encodes", "Encode requests by outcome", ["outcome"], registry=r)
         self.decoder_snr_db = Gauge("snac_decoder_snr_db", "The decoder's SNR against fp32 on the served weights "
                                     "(+Inf in fp32; measured at start-up for fp16/bf16)", registry=r)
 

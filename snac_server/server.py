@@ -23,7 +23,7 @@ from codec_contract.audio import STREAMING_DELAY_SAMPLES
 from codec_contract.client import SERVICE
 
 from .batcher import MicroBatcher, WarmUpFailed
-from .codec_model import build_decoder
+from .codec_model import SnacEncoder, build_decoder, load_snac
 from .config import SnacServerConfig
 from .metrics import SnacMetrics
 from .runner import DecoderRunner
@@ -154,8 +154,9 @@ def build_server(config: SnacServerConfig, runner: DecoderRunner | None = None) 
     returns the server and its bound gRPC port."""
     metrics = SnacMetrics()
     runner = runner or build_runner(config, metrics)
+    encoder = SnacEncoder(load_snac(config.model), runner.device) if isinstance(runner, DecoderRunner) else None
     batcher = MicroBatcher(runner, config.max_batch, config.max_wait_ms / 1000.0, metrics)
-    service = CodecService(config, batcher, metrics, STREAMING_DELAY_SAMPLES)
+    service = CodecService(config, batcher, metrics, STREAMING_DELAY_SAMPLES, encoder)
     options = [
         ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
         ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)),

@@ -18,9 +18,10 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from codec_contract.api import codec_pb2, codec_pb2_grpc
-from codec_contract.audio import FRAME_SAMPLES
+from codec_contract.audio import FRAME_SAMPLES, SAMPLE_RATE, pack_frames
 
 from .batcher import MicroBatcher
+from .codec_model import SnacEncoder
 from .config import SnacServerConfig
 from .frames import InvalidFrames
 from .metrics import SnacMetrics
@@ -59,6 +60,25 @@ def encode_pcm(pcm: np.ndarray, sample_format: int) -> bytes:
     return pcm.astype("<f4").tobytes()
 
 
+def recording_of(request: codec_pb2.EncodeRequest, max_s: float) -> np.ndarray:
+    """An Encode request's samples, checked: 24 kHz, whole float32 samples, some, at most `max_s` seconds of
+    them, every one finite and in [-1, 1]; InvalidFrames saying what is wrong otherwise."""
+    if request.sample_rate != SAMPLE_RATE:
+        raise InvalidFrames(f"sample_rate {request.sample_rate}: Encode takes {SAMPLE_RATE} Hz (resample first)")
+    if len(request.pcm) % 4:
+        raise InvalidFrames(f"pcm is {len(request.pcm)} bytes, not whole float32 samples")
+    pcm = np.frombuffer(request.pcm, dtype="<f4")
+    if not pcm.size:
+        raise InvalidFrames("pcm holds no samples")
+    if pcm.size > max_s * SAMPLE_RATE:
+        raise InvalidFrames(f"{pcm.size / SAMPLE_RATE:.1f} s of audio; this replica encodes at most {max_s:g} s")
+    if not np.isfinite(pcm).all():
+        raise InvalidFrames("pcm holds samples that are not finite (NaN or infinity)")
+    if np.abs(pcm).max() > 1.0:
+        raise InvalidFrames("pcm holds samples outside [-1, 1]")
+    return pcm
+
+
 class _Stream:
     """What one stream's reader task and its handler share."""
 
@@ -87,9 +107,11 @@ async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
 class CodecService(codec_pb2_grpc.SnacCodecServicer):
     """Implements megapod.codec.v3.SnacCodec over a shared MicroBatcher."""
 
-    def __init__(self, config: SnacServerConfig, batcher: MicroBatcher, metrics: SnacMetrics, delay: int) -> None:
+    def __init__(self, config: SnacServerConfig, batcher: MicroBatcher, metrics: SnacMetrics, delay: int,
+                 encoder: SnacEncoder | None = None) -> None:
         self._config = config
         self._batcher = batcher
+        self._encoder = encoder  # None: this replica does not encode (a benchmark's runner double)
         self._metrics = metrics
         self._delay = delay
         self.active = 0
@@ -116,6 +138,25 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             self.active -= 1
             self._metrics.active_streams.dec()
             self._metrics.streams_total.labels(outcome).inc()
+
+    async def Encode(self, request: codec_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> codec_pb2.EncodeReply:
+        if self._encoder is None:
+            self._metrics.encodes_total.labels("refused").inc()
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this replica does not encode")
+        try:
+            pcm = recording_of(request, self._config.max_encode_s)
+        except InvalidFrames as exc:
+            self._metrics.encodes_total.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        started = time.perf_counter()
+        try:
+            frames = await self._encoder.encode_async(pcm)
+        except Exception as exc:
+            self._metrics.encodes_total.labels("error").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"encoding failed: {exc}")
+        self._metrics.encode_latency.observe(time.perf_counter() - started)
+        self._metrics.encodes_total.labels("ok").inc()
+        return codec_pb2.EncodeReply(codes=pack_frames(frames))
 
     async def _serve(self, requests, context: grpc.aio.ServicerContext) -> AsyncIterator[codec_pb2.PcmChunk]:
         requests = requests.__aiter__()

@@ -125,7 +125,8 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
     from concurrency_bench.stack import LocalStack
 
     flags = ["--workers", str(workers), "--replicas", str(replicas), "--enforce-eager", "true",
-             "--max-model-len", str(MAX_MODEL_LEN), "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC]
+             "--max-model-len", str(MAX_MODEL_LEN), "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC,
+             "--voices-dir", str(log_dir / "voices")]
     # A fixed limit when given (floor = ceiling): the tests count on it; else measured, as deployed.
     flags += ["--max-streams-per-worker", str(max_streams), "--min-streams-per-worker", str(max_streams)] if max_streams else []
     flags += ["--grace-s", str(grace_s)] if grace_s is not None else []

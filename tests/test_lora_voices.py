@@ -63,6 +63,9 @@ async def test_what_is_not_a_usable_adapter_is_logged_and_not_offered_while_the_
     (tmp_path / "broken" / "voice.json").write_text("{not json")
     peft_dir(tmp_path / "refused")
     (tmp_path / "empty").mkdir()  # holds no voice (yet)
+    (tmp_path / ".staging").mkdir()  # a voice being written (clones.py): not looked at
+    (tmp_path / "short-frames").mkdir()
+    (tmp_path / "short-frames" / "clone.json").write_text(json.dumps({"transcript": "Hi.", "frames": [[1, 2, 3]]}))
     registry, engine = VoiceRegistry.of(LlmServerConfig()), ScriptedEngineDouble()
     engine.unloadable.add(str(tmp_path / "refused"))
     with caplog.at_level(logging.WARNING, logger="llm_server.voices"):
@@ -71,8 +74,9 @@ async def test_what_is_not_a_usable_adapter_is_logged_and_not_offered_while_the_
     assert [a.path for a in engine.loaded] == [str(tmp_path / "good")]
     assert registry.resolve("tara").kind == CHECKPOINT
     for said in ("peft_type 'PREFIX_TUNING'", "'two words'", "'tara' (", "checkpoint has a voice of that name",
-                 "'broken'", "scripted refusal"):
+                 "'broken'", "scripted refusal", "'short-frames'", "every frame holds 7 codes"):
         assert said in caplog.text
+    assert ".staging" not in caplog.text
 
 
 async def test_the_directory_is_read_again_only_when_it_changes_and_a_changed_adapter_is_a_new_one(tmp_path):

@@ -35,6 +35,31 @@ def _wav_samples(data: bytes) -> int:
         return len(w.readframes(10**9)) // 2
 
 
+async def test_a_clone_made_through_the_front_is_every_workers_voice_and_speaks_through_the_openai_sdk(megapod):
+    """POST /v1/voices over the front reaches one worker; the voices directory megapod up gives all of them
+    carries it to the other within its poll; the OpenAI SDK then speaks in it on either, and DELETE ends it."""
+    from test_clones import TRANSCRIPT, wav
+
+    async with httpx.AsyncClient(base_url=megapod["url"], timeout=300) as http:
+        made = await http.post("/v1/voices", data={"name": "front-clone", "transcript": TRANSCRIPT},
+                               files={"audio": ("ref.wav", wav(1.0), "audio/wav")})
+        assert made.status_code == 201, made.text
+        for worker in megapod["llm"]:
+            deadline = time.monotonic() + 30
+            while "front-clone" not in [v["id"] for v in httpx.get(f"http://127.0.0.1:{worker.port}/v1/voices").json()["data"]]:
+                assert time.monotonic() < deadline, f"worker {worker.port} never listed the clone"
+                await asyncio.sleep(0.2)
+        client = openai.AsyncOpenAI(base_url=f"{megapod['url']}/v1", api_key="unused", timeout=600)
+        for _ in megapod["llm"]:  # the front spreads them: each worker likely speaks one
+            async with client.audio.speech.with_streaming_response.create(
+                    model="tts-1", voice="front-clone", input="Hello.", response_format="wav") as response:
+                samples = _wav_samples(await response.read())
+                assert samples > 0 and samples % 2048 == 0
+        gone = await http.delete("/v1/voices/front-clone")
+        assert gone.status_code == 200 and gone.json()["deleted"] is True
+        assert (await http.delete("/v1/voices/front-clone")).status_code == 404
+
+
 def _frames(megapod) -> float:
     return sum(scrape(worker.port, "orpheus_frames_total") for worker in megapod["llm"])
 

@@ -4,8 +4,10 @@ processor paths (the slot sampler and the plain mask)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -131,6 +133,30 @@ async def test_an_engine_with_lora_off_refuses_an_adapter_saying_how_to_turn_it_
 
     with pytest.raises(EngineError, match="LoRA is off in this engine.*--enable-lora true"):
         await engine.load_adapter(Adapter("ava@1", 1, str(tmp_path)))
+
+
+async def test_a_clone_voices_reference_turn_is_served_from_the_prefix_cache_on_its_second_request(engine):
+    """The zero-shot prompt's reference turn is the same for every request of a clone voice: vLLM's prefix cache
+    holds it, so the second request (other text) prefills only what follows it."""
+    from transformers import AutoTokenizer
+    from vllm.inputs import TokensPrompt
+
+    from llm_server.prompt import clone_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))
+    reference = np.random.default_rng(11).integers(0, 4096, size=(40, 7))  # 280 audio tokens
+    cached, prompts = [], []
+    for i, text in enumerate(("First request.", "A second, other one.")):
+        prompts.append(clone_prompt_ids(tokenizer, "What the reference recording says.", reference, text))
+        params = engine._params(Sampling(max_tokens=15, seed=i))
+        async for output in engine._engine.generate(TokensPrompt(prompt_token_ids=prompts[-1]), params, f"clone-{i}"):
+            cached.append(output.num_cached_tokens)  # the first output carries the request's prefix cache hits
+            break
+        await engine.abort(f"clone-{i}")
+    shared = len(os.path.commonprefix(prompts))  # the reference turn and the next turn's opening
+    block = engine._engine.vllm_config.cache_config.block_size
+    assert shared > 280 and cached[0] == 0
+    assert shared - block < cached[1] <= shared  # every whole block of it came from the cache
 
 
 class RecordingEngine:

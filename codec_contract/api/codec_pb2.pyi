@@ -69,3 +69,17 @@ class PcmChunk(_message.Message):
     pcm: bytes
     final: bool
     def __init__(self, first_sample: _Optional[int] = ..., pcm: _Optional[bytes] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("sample_rate", "pcm")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    pcm: bytes
+    def __init__(self, sample_rate: _Optional[int] = ..., pcm: _Optional[bytes] = ...) -> None: ...
+
+class EncodeReply(_message.Message):
+    __slots__ = ("codes",)
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    codes: bytes
+    def __init__(self, codes: _Optional[bytes] = ...) -> None: ...

@@ -39,6 +39,11 @@ class SnacCodecStub:
                 request_serializer=codec__contract_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=codec__contract_dot_api_dot_codec__pb2.PcmChunk.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_unary(
+                '/megapod.codec.v3.SnacCodec/Encode',
+                request_serializer=codec__contract_dot_api_dot_codec__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=codec__contract_dot_api_dot_codec__pb2.EncodeReply.FromString,
+                _registered_method=True)
 
 
 class SnacCodecServicer:
@@ -51,6 +56,15 @@ class SnacCodecServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """PCM in, frames out: a clone voice's reference recording. Encodes run on the decode thread one at a
+        time between decode steps, so one delays a decode step by at most its own length. Bad input
+        (another rate, no samples, too long, values outside [-1, 1] or not finite) is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnacCodecServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +72,11 @@ def add_SnacCodecServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=codec__contract_dot_api_dot_codec__pb2.DecodeRequest.FromString,
                     response_serializer=codec__contract_dot_api_dot_codec__pb2.PcmChunk.SerializeToString,
+            ),
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=codec__contract_dot_api_dot_codec__pb2.EncodeRequest.FromString,
+                    response_serializer=codec__contract_dot_api_dot_codec__pb2.EncodeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +106,33 @@ class SnacCodec:
             '/megapod.codec.v3.SnacCodec/Decode',
             codec__contract_dot_api_dot_codec__pb2.DecodeRequest.SerializeToString,
             codec__contract_dot_api_dot_codec__pb2.PcmChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/megapod.codec.v3.SnacCodec/Encode',
+            codec__contract_dot_api_dot_codec__pb2.EncodeRequest.SerializeToString,
+            codec__contract_dot_api_dot_codec__pb2.EncodeReply.FromString,
             options,
             channel_credentials,
             insecure,
