@@ -104,6 +104,40 @@ async def test_pipecat_elevenlabs_http_service_speaks():
     assert whole_frames(sum(len(f.audio) for f in audio) // 2)
 
 
+@pytest.fixture(scope="module")
+def clone_voice():
+    """A clone voice made through the front (POST /v1/voices) from a generated WAV, listed by every worker (they
+    share `megapod up`'s voices directory) before the tests use it; deleted after."""
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(24000) / 24000
+    tone = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(tone.tobytes())
+    made = httpx.post(f"{URL}/v1/voices", data={"name": "agent-clone", "transcript": "A tone, one second long."},
+                      files={"audio": ("reference.wav", wav.getvalue(), "audio/wav")}, timeout=120)
+    assert made.status_code == 201, made.text
+    for worker in (m.removesuffix("/metrics") for m in WORKER_METRICS):
+        deadline = time.monotonic() + 30
+        while "agent-clone" not in [v["id"] for v in httpx.get(f"{worker}/v1/voices").json()["data"]]:
+            assert time.monotonic() < deadline, f"{worker} never listed the clone"
+            time.sleep(0.2)
+    yield "agent-clone"
+    assert httpx.delete(f"{URL}/v1/voices/agent-clone").status_code == 200
+
+
+async def test_pipecat_cartesia_service_speaks_in_a_clone_voice(clone_voice):
+    service = CartesiaTTSService(api_key="unused", url=f"ws://{HOST}/tts/websocket",
+                                 settings=CartesiaTTSService.Settings(voice=clone_voice), stop_frame_timeout_s=60.0)
+    down, up = await run_test(service, frames_to_send=[TTSSpeakFrame(text=TEXT), SleepFrame(sleep=1.0)])
+    assert not [f for f in down + up if isinstance(f, ErrorFrame)]
+    assert whole_frames(sum(len(f.audio) for f in down if isinstance(f, TTSAudioRawFrame)) // 2)
+
+
 def until(done, first, within_s: float = 60.0):
     """`first`, then the test's pause until `done()` (at most `within_s`): run_test reads its frames one by
     one, sleeping at each SleepFrame, and ends the pipeline after the last. A fixed sleep here cost
@@ -144,6 +178,7 @@ async def test_pipecat_interruption_frees_the_engine_and_codec(service):
 
 # ---------------------------------------------------------------------------------------- LiveKit
 
+from livekit.plugins import baseten as lk_baseten  # noqa: E402
 from livekit.plugins import cartesia as lk_cartesia  # noqa: E402
 from livekit.plugins import deepgram as lk_deepgram  # noqa: E402
 from livekit.plugins import elevenlabs as lk_elevenlabs  # noqa: E402
@@ -155,6 +190,9 @@ def livekit(name: str, session: aiohttp.ClientSession, **kw):
         return lk_cartesia.TTS(api_key="unused", base_url=URL, voice="tara", http_session=session, **kw)
     if name == "deepgram":
         return lk_deepgram.TTS(api_key="unused", base_url=f"{URL}/v1/speak", model="tara", http_session=session, **kw)
+    if name == "baseten":  # Baseten's Orpheus protocol: the socket, or `predict` for synthesize
+        return lk_baseten.TTS(api_key="unused", model_endpoint=f"ws://{HOST}/environments/production/websocket",
+                              voice="tara", http_session=session, **kw)
     if name == "elevenlabs":
         return lk_elevenlabs.TTS(api_key="unused", base_url=f"{URL}/v1", voice_id="tara", http_session=session,
                                  **{"encoding": "pcm_24000", **kw})
@@ -186,6 +224,34 @@ async def test_livekit_synthesize_and_stream(name):
     for events in (synthesized, streamed):
         assert events and all(ev.frame.sample_rate == 24000 and ev.frame.num_channels == 1 for ev in events)
         assert whole_frames(samples_of(events))
+
+
+async def test_livekit_baseten_streams_over_its_socket_and_synthesizes_over_predict():
+    """The plugin picks its transport by the endpoint's scheme: ws:// streams, http:// posts to predict."""
+    async with aiohttp.ClientSession() as session:
+        streaming = livekit("baseten", session)
+        async with streaming.stream() as stream:
+            stream.push_text(TEXT)
+            stream.flush()
+            stream.end_input()
+            streamed = [ev async for ev in stream]
+        await streaming.aclose()
+        http = lk_baseten.TTS(api_key="unused", model_endpoint=f"{URL}/environments/production/predict", voice="leo",
+                              http_session=session)
+        synthesized = [ev async for ev in http.synthesize(TEXT)]
+        await http.aclose()
+    for events in (streamed, synthesized):
+        assert events and all(ev.frame.sample_rate == 24000 and ev.frame.num_channels == 1 for ev in events)
+        assert whole_frames(samples_of(events))
+
+
+async def test_livekit_deepgram_speaks_in_a_clone_voice(clone_voice):
+    async with aiohttp.ClientSession() as session:
+        tts = lk_deepgram.TTS(api_key="unused", base_url=f"{URL}/v1/speak", model=f"aura-2-{clone_voice}-en",
+                              http_session=session)
+        events = [ev async for ev in tts.synthesize(TEXT)]
+        await tts.aclose()
+    assert events and whole_frames(samples_of(events))
 
 
 @pytest.mark.parametrize("model, response_format", [
@@ -220,7 +286,7 @@ async def test_livekit_elevenlabs_in_its_default_mp3():
         assert events and all(ev.frame.sample_rate == 22050 for ev in events) and samples_of(events) > 0
 
 
-@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs"])
+@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs", "baseten"])
 async def test_livekit_stream_closed_mid_speech_frees_the_engine_and_codec(name):
     before = requests_ended("disconnected") + requests_ended("cancelled")
     async with aiohttp.ClientSession() as session:

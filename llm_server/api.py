@@ -18,9 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orpheus_common.http import CAPACITY_FREE, error_response
+from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, error_response, voices_header
 
-from . import cartesia, clones, deepgram, elevenlabs, openai_speech, request_log
+from . import baseten, cartesia, clones, deepgram, elevenlabs, openai_speech, request_log
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
@@ -29,8 +29,8 @@ from .runtime import Runtime
 
 
 class CapacityHeaderMiddleware:
-    """Pure ASGI: CAPACITY_FREE on every response and WebSocket accept past the API-key check, read as
-    it is sent (after the request's own admission)."""
+    """Pure ASGI: CAPACITY_FREE (and LOADED_VOICES where there are LoRA voices) on every response and WebSocket
+    accept past the API-key check, read as it is sent (after the request's own admission)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -45,6 +45,8 @@ class CapacityHeaderMiddleware:
             if message["type"] in ("http.response.start", "websocket.accept"):
                 free = str(state.runtime.admission.free).encode()
                 message["headers"] = [*message.get("headers", ()), (CAPACITY_FREE.encode(), free)]
+                if loaded := state.runtime.voices.loaded_lora_voices():  # the front prefers these workers for them
+                    message["headers"].append((LOADED_VOICES.encode(), voices_header(loaded)))
             await send(message)
 
         await self.app(scope, receive, send_with_capacity)
@@ -110,7 +112,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for routes in (openai_speech, cartesia, deepgram, elevenlabs, clones):
+    for routes in (openai_speech, cartesia, deepgram, elevenlabs, baseten, clones):
         app.include_router(routes.router)
 
     @app.get("/v1/voices")

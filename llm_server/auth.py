@@ -1,7 +1,7 @@
 """Optional API keys on /v1/* and /tts/* (HTTP and WebSocket handshakes), each key name with its own
 stream cap. Each protocol's clients send the key their own way: `Authorization: Bearer` (OpenAI),
 `Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia), `xi-api-key`
-(ElevenLabs).
+(ElevenLabs), `Authorization: Api-Key` (Baseten, whose paths are /environments/*).
 
 The keys file holds lines `name:key[:max_streams[:permissions]]` (`#` comments and blank lines allowed);
 permissions, comma-separated, grant more than speaking: `voices` creates and deletes voices (clones.py). A
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY = re.compile(r"\S{8,512}")
-PROTECTED_PREFIXES = ("/v1/", "/tts/")
+PROTECTED_PREFIXES = ("/v1/", "/tts/", "/environments/")
 PERMISSIONS = frozenset({"voices"})
 
 
@@ -133,7 +133,7 @@ def presented_key(scope: Scope) -> str | None:
     """The key a request presents, the way its protocol sends it; None when it has none."""
     headers = Headers(scope=scope)
     scheme, token = get_authorization_scheme_param(headers.get("authorization"))
-    if scheme.lower() in ("bearer", "token") and token.strip():
+    if scheme.lower() in ("bearer", "token", "api-key") and token.strip():
         return token.strip()
     for header in ("x-api-key", "xi-api-key"):
         if headers.get(header, "").strip():

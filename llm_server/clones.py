@@ -10,7 +10,7 @@ request of the voice is prompted with them (prompt.clone_prompt_ids).
 Refused with a 4xx saying why, nothing written: a worker without a voices directory (501), a key without the
 `voices` permission when keys are on (403), a name taken or malformed, an empty or over-long transcript, audio
 that does not decode, holds no sound or runs past max_reference_s, and a reference whose prompt leaves the
-model's context no room for speech (400 or 409).
+model's context no room for speech (400 or 409), a voices directory mounted read-only (501).
 """
 
 from __future__ import annotations
@@ -82,7 +82,11 @@ def _voices_dir(runtime) -> Path:
     if runtime.voices_dir is None:
         raise ApiError(501, "this worker has no voices directory to keep voices in: start it with --voices-dir",
                        code="not_implemented")
-    return runtime.voices_dir.root
+    root = runtime.voices_dir.root
+    if root.exists() and not os.access(root, os.W_OK):  # a read-only volume (the chart's llm.voices.readOnly)
+        raise ApiError(501, f"this worker's voices directory is read-only: voices are made and deleted where it is "
+                            "written", code="not_implemented")
+    return root
 
 
 @router.post("/v1/voices", status_code=201)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
+import math
 import os
 import shutil
 import statistics
@@ -204,9 +205,18 @@ async def constraint_check(engine: VllmEngine, prompt: list[int], streams: int, 
             f"{len(violations)} outside their frame slot"}
 
 
-async def step_time_ms(engine: VllmEngine, prompt: list[int], batch: int, tokens: int) -> float:
+async def step_time_ms(engine: VllmEngine, prompt: list[int], batch: int, tokens: int, tries: int = 3) -> float:
     """Time per token of a stream while all `batch` streams decode together (the median over streams).
-    Tokens arrive a frame at a time (audio_tokens.STREAM_INTERVAL), so it is a span over the tokens it brought."""
+    Tokens arrive a frame at a time (audio_tokens.STREAM_INTERVAL), so it is a span over the tokens it brought.
+    A run in which the streams never decoded together (on a CPU that other work starves, one can finish before
+    the last is past its prefill: seen in `make test` beside other test runs) measures nothing: run again."""
+    for _ in range(tries):
+        if not math.isnan(ms := await _step_time_once(engine, prompt, batch, tokens)):
+            return ms
+    return ms
+
+
+async def _step_time_once(engine: VllmEngine, prompt: list[int], batch: int, tokens: int) -> float:
     runs = await asyncio.gather(*(
         _stream(engine, prompt, Sampling(max_tokens=tokens, seed=1000 + i), f"doctor-step-{batch}-{i}") for i in range(batch)))
     start = max(times[0] for _, times in runs if times)  # every stream is past its prefill

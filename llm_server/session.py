@@ -99,6 +99,7 @@ class SpeechSession:
         self.request_id = request_id
         self.outcome = "disconnected"  # until the stream ends otherwise
         self._stream: SpeechStream = runtime.pipeline.start(SpeechJob(request_id, spec.voice, spec.seed))
+        runtime.voices.used(spec.voice)
         self._segmenter = TextSegmenter(runtime.config.max_segment_chars)
         self.segments = 0  # segments handed to the stream so far; SegmentEnd.index counts the same way
         self._pace = ClientPace(runtime.config.max_client_lag_s)

@@ -33,6 +33,7 @@ import json
 import logging
 import re
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,8 @@ class VoiceRegistry:
             log.info("voice aliases left out (their voice is not this checkpoint's): %s", ", ".join(dropped))
         self.default = voices[0]
         self.vendor_fallback = vendor_fallback
+        self.held_adapters = 4  # how many adapters the engine keeps loaded (max_cpu_loras)
+        self._loaded: OrderedDict[str, None] = OrderedDict()  # LoRA voices the engine has loaded, most recent last
 
     @classmethod
     def of(cls, config: LlmServerConfig, model_dir: str | None = None) -> VoiceRegistry:
@@ -132,7 +135,9 @@ class VoiceRegistry:
             log.info("voices from %s: %s", listed, ", ".join(v.name for v in voices))
         else:
             voices = [Voice(name, CHECKPOINT, config.voices_language or None) for name in config.voices]
-        return cls(voices, parse_aliases(config.voice_aliases), config.vendor_voice_fallback)
+        registry = cls(voices, parse_aliases(config.voice_aliases), config.vendor_voice_fallback)
+        registry.held_adapters = config.max_cpu_loras or config.max_loras
+        return registry
 
     def is_checkpoints(self, name: str) -> bool:
         return name.lower() in self._checkpoint
@@ -140,6 +145,20 @@ class VoiceRegistry:
     def update_own(self, found: Sequence[Voice]) -> None:
         """Replace the voices directory's voices with `found` (named unlike the checkpoint's)."""
         self._voices = {**self._checkpoint, **{v.name.lower(): v for v in found}}
+        for gone in [name for name in self._loaded if name not in self._voices]:
+            del self._loaded[gone]
+
+    def used(self, voice: Voice) -> None:
+        """`voice` was loaded or spoken: its adapter is the engine's most recently used (vLLM keeps the
+        held_adapters most recent ones loaded; the rest are read from disk again when asked for)."""
+        if voice.adapter is not None:
+            self._loaded[voice.name.lower()] = None
+            self._loaded.move_to_end(voice.name.lower())
+            while len(self._loaded) > self.held_adapters:
+                self._loaded.popitem(last=False)
+
+    def loaded_lora_voices(self) -> list[str]:
+        return [self._voices[name].name for name in self._loaded]
 
     @property
     def voices(self) -> list[Voice]:
@@ -280,7 +299,7 @@ class VoicesDirectory:
         if reading == self._seen:
             return False
         self._seen = reading
-        usable = []
+        usable, loaded_now = [], []
         for name, files in reading:
             voice = self._voice(name, files, registry)
             if voice is None:
@@ -292,8 +311,11 @@ class VoicesDirectory:
                     log.warning("voice %r (%s) is not offered: %s", name, self.root / name, exc)
                     continue
                 self._loaded.add(voice.adapter.id)
+                loaded_now.append(voice)
             usable.append(voice)
         registry.update_own(usable)
+        for voice in loaded_now:  # the engine holds what it just loaded
+            registry.used(voice)
         log.info("voices directory %s: %s", self.root, ", ".join(f"{v.name} ({v.kind})" for v in usable) or "none")
         return True
 

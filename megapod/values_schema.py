@@ -77,6 +77,7 @@ RULES = {
     "llm.model.source": {"enum": ["huggingface", "pvc"]},
     "llm.model.id": {"minLength": 1},
     "llm.model.cache.accessMode": {"enum": ["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]},
+    "llm.voices.accessMode": {"enum": ["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]},
     "*.probes.*": {"properties": {"successThreshold": {"type": "integer", **AT_LEAST_1},
                                   "initialDelaySeconds": {"type": "integer", **AT_LEAST_0}}},
     "*.probes.*.*Seconds": AT_LEAST_1,

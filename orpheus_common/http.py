@@ -7,12 +7,27 @@ same builder the endpoints use: `await error_response(...)(scope, receive, send)
 
 from __future__ import annotations
 
+from urllib.parse import quote, unquote
+
 from starlette.responses import JSONResponse
 
 TRY_AGAIN_LATER = 1013  # RFC 6455 close code: the server is overloaded; the client should reconnect later
 # On a worker's replies and WebSocket handshakes (past its API-key check): the streams it would admit now, beside the one
 # the reply is for (its measured limit less its active streams); the front routes by it.
 CAPACITY_FREE = "x-capacity-free"
+# On every worker response where it has LoRA voices: those whose adapters its engine holds (most recent last),
+# which the front prefers for their requests when capacities are equal.
+LOADED_VOICES = "x-loaded-voices"
+
+
+def voices_header(names: list[str]) -> bytes:
+    """Voice names (any script) as LOADED_VOICES' value: percent-encoded UTF-8, comma-separated."""
+    return ",".join(quote(name, safe="") for name in names).encode("ascii")
+
+
+def voices_of_header(value: str | None) -> set[str]:
+    """LOADED_VOICES' names, lower-cased as voices are matched."""
+    return {unquote(name).lower() for name in (value or "").split(",") if name}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

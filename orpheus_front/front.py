@@ -20,10 +20,13 @@ import contextlib
 import gc
 import ipaddress
 import itertools
+import json
 import logging
 import math
+import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from urllib.parse import unquote
 
 import anyio
 import httpx
@@ -36,7 +39,7 @@ from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from orpheus_common.http import CAPACITY_FREE, TRY_AGAIN_LATER, error_response
+from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, TRY_AGAIN_LATER, error_response, voices_of_header
 from orpheus_common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,9 +65,10 @@ SLOW_TIMEOUT = httpx.Timeout(10.0, connect=SLOW_CONNECT_S, read=None, pool=POOL_
 REFUSAL_READ_S = 2.0  # a worker's 429 body (a few hundred bytes) is read within this, else dropped
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak", "/v1/text-to-speech/{voice_id}",
-                "/v1/text-to-speech/{voice_id}/stream", "/v1/text-to-speech/{voice_id}/stream/with-timestamps")
+                "/v1/text-to-speech/{voice_id}/stream", "/v1/text-to-speech/{voice_id}/stream/with-timestamps",
+                "/environments/{environment}/predict")
 SOCKETS = ("/tts/websocket", "/v1/speak", "/v1/text-to-speech/{voice_id}/multi-stream-input",
-           "/v1/text-to-speech/{voice_id}/stream-input")
+           "/v1/text-to-speech/{voice_id}/stream-input", "/environments/{environment}/websocket")
 MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_streams)
 PROBE_EVERY_S = 1.0  # each worker's /ready is probed this often, in the background
 PROBE_TIMEOUT_S = 2.0
@@ -114,23 +118,30 @@ class WorkerPool:
         self.urls = list(urls)
         self.active = {u: 0 for u in self.urls}
         self._reported: dict[str, tuple[int, int]] = {}  # url -> (free it reported, our active streams on it then)
+        self._loaded: dict[str, set[str]] = {}  # url -> the LoRA voices it last said its engine holds
         self._turn = itertools.count()
         self._on_forget = on_forget  # a worker left and holds no stream any more
 
-    def order(self) -> list[str]:
+    def order(self, voice: str | None = None) -> list[str]:
         """Workers to try: most free capacity first (a worker not heard from yet first of all: it is
-        tried), then least active (ties rotate so load spreads when all are idle)."""
+        tried), then one whose engine holds `voice`'s LoRA adapter, then least active (ties rotate so load
+        spreads when all are idle)."""
         if not self.urls:
             return []
         start = next(self._turn) % len(self.urls)
         rotated = self.urls[start:] + self.urls[:start]
-        return sorted(rotated, key=lambda u: (-self.free(u), self.active[u]))
+        voice = voice.lower() if voice else None
+        return sorted(rotated, key=lambda u: (-self.free(u), voice not in self._loaded.get(u, ()), self.active[u]))
 
-    def report(self, url: str, free: str | None, uncounted: int = 0) -> None:
+    def report(self, url: str, free: str | None, uncounted: int = 0, loaded: str | None = None) -> None:
         """`url` said it would admit `free` more streams (its CAPACITY_FREE header) while we held
         active[url] streams on it, `uncounted` of them not yet admitted there (a socket before it
-        speaks); ignored when absent or not a count."""
-        if free is not None and free.isascii() and free.isdecimal() and url in self.active:
+        speaks), and that its engine holds the LoRA voices `loaded` (its LOADED_VOICES header; absent:
+        none); the count is ignored when absent or not a count."""
+        if url not in self.active:
+            return
+        self._loaded[url] = voices_of_header(loaded)
+        if free is not None and free.isascii() and free.isdecimal():
             self._reported[url] = (int(free), self.active[url] - uncounted)
 
     def free(self, url: str) -> float:
@@ -166,6 +177,7 @@ class WorkerPool:
         if url not in self.urls and self.active[url] == 0:
             del self.active[url]
             self._reported.pop(url, None)
+            self._loaded.pop(url, None)
             self._on_forget(url)
 
 
@@ -318,7 +330,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         at_limit = False
         timed_out: list[str] = []  # workers whose connect timed out: tried again after the others
-        for url, timeout in _attempts(pool.order(), timed_out):
+        for url, timeout in _attempts(pool.order(requested_voice(request.url.path, body)), timed_out):
             if not pool.acquire(url):
                 continue
             try:
@@ -337,11 +349,12 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             if upstream.status_code == 429:
                 at_limit = True
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
-                pool.report(url, upstream.headers.get(CAPACITY_FREE))  # after: the refused stream is not held
+                pool.report(url, upstream.headers.get(CAPACITY_FREE),  # after: the refused stream is not held
+                            loaded=upstream.headers.get(LOADED_VOICES))
                 await _discard(upstream)
                 continue
             if upstream.is_success:  # admitted: the worker's count has this stream, as ours does
-                pool.report(url, upstream.headers.get(CAPACITY_FREE))
+                pool.report(url, upstream.headers.get(CAPACITY_FREE), loaded=upstream.headers.get(LOADED_VOICES))
             return _relay(upstream, url, pool, active)
         if not at_limit:
             return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
@@ -390,6 +403,24 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+_VOICE_IN_PATH = re.compile(r"^/v1/text-to-speech/([^/]+)")  # ElevenLabs' doors name the voice in the path
+
+
+def requested_voice(path: str, body: bytes = b"") -> str | None:
+    """The voice a request asks for, where the front can read it before routing: ElevenLabs' path, a JSON body's
+    `voice` (OpenAI's name, Cartesia's {"id"}). None otherwise (a socket's messages, Deepgram's model)."""
+    if found := _VOICE_IN_PATH.match(path):
+        return unquote(found.group(1))
+    if not body.startswith(b"{"):
+        return None
+    try:
+        voice = json.loads(body).get("voice")
+    except (ValueError, AttributeError):
+        return None  # the worker says what is wrong with it
+    voice = voice.get("id") if isinstance(voice, dict) else voice
+    return voice if isinstance(voice, str) else None
 
 
 def _attempts(workers: list[str], timed_out: list[str]) -> Iterator[tuple[str, httpx.Timeout]]:
@@ -501,7 +532,7 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
     close closes the other (a worker's 1013 reaches the client as 1013)."""
     target = ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
     headers = {name: ws.headers[name] for name in _PASSED_HEADERS if name in ws.headers}
-    for url in pool.order():
+    for url in pool.order(requested_voice(ws.url.path)):
         if not pool.acquire(url):
             continue
         try:
@@ -517,7 +548,8 @@ async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:
         except BaseException:
             pool.release(url)
             raise
-        pool.report(url, upstream.response.headers.get(CAPACITY_FREE), uncounted=1)  # it takes a slot once it speaks
+        pool.report(url, upstream.response.headers.get(CAPACITY_FREE), uncounted=1,  # it takes a slot once it speaks
+                    loaded=upstream.response.headers.get(LOADED_VOICES))
         break
     else:
         await ws.accept()

@@ -144,7 +144,7 @@ class SnacEncoder:
     @torch.inference_mode()
     def encode(self, pcm: np.ndarray) -> np.ndarray:
         """24 kHz float32 PCM -> (n, 7) int32 frames; SNAC pads the end to a whole frame with silence."""
-        audio = torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)).to(self.device)[None, None]
+        audio = torch.from_numpy(np.array(pcm, dtype=np.float32)).to(self.device)[None, None]  # a copy: the request's is read-only
         l0, l1, l2 = (level[0] for level in self.snac.encode(audio))
         return levels_to_frames(l0, l1, l2).cpu().numpy().astype(np.int32)
 

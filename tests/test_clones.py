@@ -145,3 +145,19 @@ async def test_with_api_keys_only_a_key_with_the_voices_permission_makes_or_dele
         assert (await c.delete("/v1/voices/ava", headers=speaker)).status_code == 403
         assert (await c.post("/v1/audio/speech", headers=speaker, json=body("Hi.", voice="ava"))).status_code == 200
         assert (await c.delete("/v1/voices/ava", headers=admin)).status_code == 200
+
+
+async def test_a_read_only_voices_directory_serves_its_voices_and_refuses_to_change_them(snac_server, tmp_path,
+                                                                                       monkeypatch):
+    """The chart's llm.voices.readOnly mounts the claim read-only. Root (these tests) may write anywhere, so the
+    read-only mount is stood in for by os.access answering as it does on one (EROFS)."""
+    (tmp_path / "ava").mkdir()
+    (tmp_path / "ava" / "clone.json").write_text(json.dumps({"transcript": "Hi.", "frames": [[1, 2, 3, 4, 5, 6, 7]]}))
+    monkeypatch.setattr("llm_server.clones.os.access", lambda path, mode: False)
+    async with serving(snac_server, voices_dir=str(tmp_path)) as served, \
+            httpx.AsyncClient(base_url=served.url, timeout=60) as c:
+        await served.runtime.refresh_voices()
+        assert (await c.post("/v1/audio/speech", json=body("Hi.", voice="ava"))).status_code == 200
+        for refused in (await c.post("/v1/voices", **form("bob")), await c.delete("/v1/voices/ava")):
+            assert refused.status_code == 501 and "read-only" in refused.json()["error"]["message"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ava"]

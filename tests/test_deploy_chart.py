@@ -194,6 +194,7 @@ VARIANTS = {
     "helm-h100-optional": ("h100", OPTIONAL_FEATURES),
     "helm-cpu-optional": ("cpu", OPTIONAL_FEATURES),
     "helm-pvc-model": ("h100", ("llm.model.source=pvc", "llm.model.pvc.claimName=orpheus-weights")),
+    "helm-voices": ("h100", ("llm.voices.enabled=true",)),
     "helm-h100-tls-existing": ("h100", TLS_EXISTING),
     "helm-h100-cert-manager": ("h100", TLS_CERT_MANAGER),
     "helm-h100-tls-off": ("h100", TLS_OFF),
@@ -537,6 +538,23 @@ def test_model_from_a_volume_claim() -> None:
     assert not any(o["kind"] == "PersistentVolumeClaim" for o in objects)
     done = run(helm(), "template", RELEASE, str(CHART), "--set", "llm.model.source=pvc")
     assert done.returncode != 0 and "claimName is required" in done.stderr
+
+
+def test_voices_from_one_claim_every_worker_mounts() -> None:
+    assert not any(o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"].endswith("-voices")
+                   for o in helm_render("h100"))  # off by default: no voices directory
+    assert "ORPHEUS_VOICES_DIR" not in env(llm(helm_render("h100")))
+    objects = helm_render("h100", ("llm.voices.enabled=true",))
+    worker, claim = llm(objects), find(objects, "PersistentVolumeClaim", f"{RELEASE}-voices")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # clones are written by whichever worker made them
+    assert env(worker)["ORPHEUS_VOICES_DIR"] == mount(worker, "voices")["mountPath"] == "/voices"
+    assert volume(worker, "voices")["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"], "readOnly": False}
+    objects = helm_render("h100", ("llm.voices.enabled=true", "llm.voices.existingClaim=team-voices",
+                                   "llm.voices.readOnly=true"))
+    worker = llm(objects)
+    assert volume(worker, "voices")["persistentVolumeClaim"] == {"claimName": "team-voices", "readOnly": True}
+    assert mount(worker, "voices")["readOnly"] is True
+    assert not any(o["kind"] == "PersistentVolumeClaim" and "voices" in o["metadata"]["name"] for o in objects)
 
 
 # ---------------------------------------------------------------- codec TLS, API keys

@@ -14,6 +14,7 @@ import asyncio
 import math
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from served import ScriptedEngineDouble, body, serve_app, serving
@@ -21,7 +22,7 @@ from websockets.asyncio.client import connect
 
 from orpheus_common.http import CAPACITY_FREE
 from orpheus_front import front as front_module
-from orpheus_front.front import WorkerPool, create_front_app
+from orpheus_front.front import WorkerPool, create_front_app, requested_voice
 
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 
@@ -45,6 +46,37 @@ def test_the_pool_prefers_the_most_free_capacity_and_counts_what_it_sent_since()
     assert pool.free(A) == 2
     pool.report(A, "3", uncounted=1)  # a socket's handshake: it takes a slot there once it speaks
     assert pool.free(A) == 2
+
+
+def test_among_workers_as_free_the_one_whose_engine_holds_the_voices_adapter_comes_first():
+    """Issue 26, item 4: a LoRA voice's request goes where its adapter is loaded, when capacity is equal; free
+    capacity still comes first."""
+    pool = WorkerPool([A, B])
+    for url, loaded in ((A, None), (B, "ava,%EC%9C%A0%EB%82%98")):  # B holds ava and 유나 (percent-encoded UTF-8)
+        pool.acquire(url)
+        pool.report(url, "3", loaded=loaded)
+        pool.release(url)
+    assert all(pool.order("AVA")[0] == B and pool.order("유나")[0] == B for _ in range(4))  # whatever the rotation
+    assert {pool.order("tara")[0] for _ in range(4)} == {A, B}  # no adapter: spread as before
+    pool.acquire(A)
+    pool.report(A, "5")  # A now has more room: capacity first
+    assert pool.order("ava")[0] == A
+    pool.report(B, "9")  # a report without the header: B holds no adapter any more
+    assert pool.order("ava") == [B, A] and pool.order("ava") == pool.order(None)
+
+
+@pytest.mark.parametrize("path, body, voice", [
+    ("/v1/audio/speech", b'{"model": "tts-1", "voice": "ava", "input": "Hi."}', "ava"),
+    ("/tts/bytes", b'{"voice": {"mode": "id", "id": "ava"}, "transcript": "Hi."}', "ava"),
+    ("/v1/text-to-speech/%EC%9C%A0%EB%82%98/stream", b'{"text": "Hi."}', "유나"),
+    ("/v1/text-to-speech/ava/multi-stream-input", b"", "ava"),
+    ("/v1/speak", b'{"text": "Hi."}', None),
+    ("/v1/audio/speech", b'{"voice": 3}', None),
+    ("/v1/audio/speech", b"{not json", None),
+    ("/v1/audio/speech", b"[1, 2]", None),
+])
+def test_the_voice_a_request_asks_for_is_read_before_routing_where_it_can_be(path, body, voice):
+    assert requested_voice(path, body) == voice
 
 
 def test_a_refusal_reports_no_room_and_a_worker_that_left_is_forgotten_whole():

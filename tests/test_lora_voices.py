@@ -11,6 +11,7 @@ import logging
 import shutil
 
 import httpx
+import numpy as np
 import pytest
 import pytest_asyncio
 from lora_adapters import make_adapter
@@ -20,7 +21,7 @@ from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, base
 from llm_server.audio_tokens import frame_violations
 from llm_server.config import LlmServerConfig
 from llm_server.engine import Sampling
-from llm_server.prompt import prompt_ids
+from llm_server.prompt import clone_prompt_ids, prompt_ids
 from llm_server.model_source import resolve_model
 from llm_server.voices import CHECKPOINT, LORA, VoiceRegistry, VoicesDirectory
 from llm_server.vllm_engine import VllmEngine, lora_enabled
@@ -115,8 +116,9 @@ async def test_an_adapter_added_while_serving_becomes_a_voice_and_one_removed_is
         assert "ava" not in [v["id"] for v in (await client.get("/v1/voices")).json()["data"]]
         peft_dir(voices_dir / "ava", speaker="tara")
         await _until(lambda: served.runtime.voices.get("ava") is not None)
-        listed = {v["id"]: v for v in (await client.get("/v1/voices")).json()["data"]}
-        assert listed["ava"]["kind"] == LORA
+        listing = await client.get("/v1/voices")
+        assert {v["id"]: v for v in listing.json()["data"]}["ava"]["kind"] == LORA
+        assert listing.headers["x-loaded-voices"] == "ava"  # loaded when found: the front routes ava's requests here
 
         async with client.stream("POST", "/v1/audio/speech", json=body("Hi.", voice="ava")) as response:
             assert response.status_code == 200
@@ -132,6 +134,7 @@ async def test_an_adapter_added_while_serving_becomes_a_voice_and_one_removed_is
 
         refused = await client.post("/v1/audio/speech", json=body("Hi.", voice="ava"))
         assert refused.status_code == 400 and "unknown voice 'ava'" in refused.json()["error"]["message"]
+        assert "x-loaded-voices" not in refused.headers  # gone with its voice
         assert await settled(served, snac_server, before) == NOTHING_HELD
 
 
@@ -162,8 +165,8 @@ async def lora_engine():
     await engine.shutdown()
 
 
-async def _tokens(engine, request_id: str, adapter=None) -> list[int]:
-    return [t async for delta in engine.generate(PROMPT, SAMPLING, request_id, adapter) for t in delta]
+async def _tokens(engine, request_id: str, adapter=None, prompt=PROMPT) -> list[int]:
+    return [t async for delta in engine.generate(prompt, SAMPLING, request_id, adapter) for t in delta]
 
 
 async def _lora_voices(engine, root) -> VoiceRegistry:
@@ -173,6 +176,8 @@ async def _lora_voices(engine, root) -> VoiceRegistry:
 
 
 async def test_a_lora_voice_speaks_differently_from_the_base_and_the_same_each_time(lora_engine, adapters, tmp_path):
+    from transformers import AutoTokenizer
+
     for name in ("ava", "bob"):
         shutil.copytree(adapters[name], tmp_path / name)
     registry = await _lora_voices(lora_engine, tmp_path)
@@ -184,10 +189,17 @@ async def test_a_lora_voice_speaks_differently_from_the_base_and_the_same_each_t
     assert len({tuple(base), tuple(first), tuple(other)}) == 3  # each adapter changes what is generated
     assert frame_violations(first) == frame_violations(other) == []  # the frame constraint holds under LoRA
 
-    # One batch of base, ava and bob streams (two of each): every stream gets the tokens it got alone.
-    mixed = await asyncio.gather(*(_tokens(lora_engine, f"mixed-{i}", adapter)
-                                   for i, adapter in enumerate((None, ava, bob) * 2)))
-    assert mixed == [base, first, other] * 2
+    # A clone voice's stream: the zero-shot prompt (a reference turn of 12 frames), no adapter.
+    clone_prompt = clone_prompt_ids(AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE)), "A reference.",
+                                    np.random.default_rng(3).integers(0, 4096, size=(12, 7)), "Hello.")
+    clone = await _tokens(lora_engine, "clone-alone", prompt=clone_prompt)
+    assert clone not in (base, first, other)
+
+    # One batch of base, ava, bob and clone streams (two of each): every stream gets the tokens it got alone.
+    voices = [(None, PROMPT), (ava, PROMPT), (bob, PROMPT), (None, clone_prompt)] * 2
+    mixed = await asyncio.gather(*(_tokens(lora_engine, f"mixed-{i}", adapter, prompt)
+                                   for i, (adapter, prompt) in enumerate(voices)))
+    assert mixed == [base, first, other, clone] * 2
     assert lora_engine.num_unfinished() == 0
 
 
