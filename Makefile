@@ -14,6 +14,7 @@ STAMP  := $(VENV)/.installed
 CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 ENGINE_STAMP  := $(VENV)/.container-engine
+BROWSER_STAMP := $(VENV)/.browser
 # The CUDA image's vLLM release, its Python files only: the tests build its config objects from the GPU
 # profiles (tests/test_deploy_chart.py) beside the CPU build that runs here.
 VLLM_GPU       := .vllm-gpu
@@ -54,7 +55,7 @@ serve: $(STAMP)
 # -n 2 --dist loadgroup: two pytest-xdist workers; the tests of a shared stack or of one module stay in one,
 # longest groups first (tests/conftest.py gives the groups and their order; --no-loadscope-reorder keeps it).
 # --durations: where the time goes, in every run's log.
-test: $(STAMP) $(CLIENTS_STAMP) $(ENGINE_STAMP) $(VLLM_GPU_STAMP)
+test: $(STAMP) $(CLIENTS_STAMP) $(ENGINE_STAMP) $(BROWSER_STAMP) $(VLLM_GPU_STAMP)
 	MEGAPOD_TEST_IMAGES=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=30
 
 # A container engine for the images test: podman (runc, overlay) and debootstrap for the base
@@ -71,6 +72,15 @@ $(ENGINE_STAMP): $(STAMP)
 # them (codec replicas and an LLM worker as containers on loopback, driven by `megapod say` and the
 # openai SDK): deploy/images/build_and_run.py, result in deploy/images/result-cpu.json.
 # `make test` runs the same through tests/test_images_run.py.
+# A browser for the playground's test (tests/test_playground.py): Debian's Chromium and its chromedriver, which
+# Selenium drives; nothing is downloaded by a test tool.
+$(BROWSER_STAMP): $(STAMP)
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
+	fi
+	touch $(BROWSER_STAMP)
+
 test-images: $(ENGINE_STAMP)
 	$(BIN)/python deploy/images/build_and_run.py
 

@@ -19,12 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, error_response, voices_header
+from orpheus_common.playground import playground
 
 from . import baseten, cartesia, clones, deepgram, elevenlabs, openai_speech, request_log
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
 from .errors import ApiError
+from .model_source import TINY
 from .runtime import Runtime
 
 
@@ -121,9 +123,13 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        """OpenAI's model list; `tts` is Deepgram's (its GET /v1/models): each voice as the model name that asks for it."""
+        """OpenAI's model list; `tts` is Deepgram's (its GET /v1/models): each voice as the model name that asks for
+        it; `megapod` what the playground says about this worker (random weights: noise, not speech)."""
         return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "orpheus-megapod"} for m in config.model_names],
-                "tts": [deepgram.model_entry(v) for v in request.app.state.runtime.voices.voices]}
+                "tts": [deepgram.model_entry(v) for v in request.app.state.runtime.voices.voices],
+                "megapod": {"random_weights": config.model == TINY or config.load_format == "dummy"}}
+
+    app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
 
     @app.get("/health")
     async def health(request: Request) -> dict:

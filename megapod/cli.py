@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from .say import DOORS
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
@@ -32,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     speak.add_argument("-o", "--output", default="out.wav", help="file to write, or - for raw PCM on stdout")
     speak.add_argument("--endpoint", default=os.environ.get("MEGAPOD_ENDPOINT", "http://127.0.0.1:8000"))
     speak.add_argument("--seed", type=int, default=None)
+    speak.add_argument("--door", choices=DOORS, default="openai",
+                       help="the front door (protocol) to speak through")
     if argv and argv[0] == "up":
         from .gpu_layout import GpuLayoutError
         from .launcher import ChildKeptDying
@@ -64,16 +68,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _say(args: argparse.Namespace) -> None:
-    from .say import say
+    from websockets.exceptions import WebSocketException
+
+    from .say import say_through
 
     to_stdout = args.output == "-"
     fmt = "pcm" if to_stdout or args.output.endswith(".pcm") else "wav"
     try:
         if to_stdout:
-            say(args.endpoint, args.text, args.voice, sys.stdout.buffer, fmt, args.seed)
+            say_through(args.door, args.endpoint, args.text, args.voice, sys.stdout.buffer, fmt, args.seed)
         else:
             with open(args.output, "wb") as out:
-                say(args.endpoint, args.text, args.voice, out, fmt, args.seed)
+                say_through(args.door, args.endpoint, args.text, args.voice, out, fmt, args.seed)
             print(f"wrote {args.output}", file=sys.stderr)
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, WebSocketException) as exc:
         sys.exit(f"megapod say: {exc}")

@@ -1,13 +1,27 @@
-"""`megapod say`: speak text through any running endpoint and save or pipe the audio."""
+"""`megapod say`: speak text through any running endpoint, by any of its front doors, and save or pipe the audio.
+
+`openai` (the default) posts to /v1/audio/speech and takes the format asked for; the socket doors speak their
+own protocol as their vendors' clients do (Cartesia's, Deepgram's and ElevenLabs' WebSockets, Baseten's) and
+give 24 kHz PCM, written raw or in a WAV file."""
 
 from __future__ import annotations
 
+import base64
+import json
 import sys
 import time
+import uuid
+import wave
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
+from urllib.parse import quote
 
 import httpx
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten")
 
 SAMPLE_RATE, SAMPLE_BYTES, WAV_HEADER_BYTES = 24_000, 2, 44
 
@@ -26,9 +40,111 @@ class SayResult:
         return self.wall_s / self.audio_s if self.audio_s else float("inf")
 
 
+def say_through(door: str, endpoint: str, text: str, voice: str, out: BinaryIO, response_format: str,
+                seed: int | None, progress: BinaryIO | None = sys.stderr) -> SayResult:
+    """say() through `door` (DOORS): the OpenAI door in any of its formats, a socket door in pcm or wav."""
+    if door == "openai":
+        return say(endpoint, text, voice, out, response_format, seed, progress)
+    if response_format not in ("pcm", "wav"):
+        raise RuntimeError(f"the {door} door gives 24 kHz PCM: write pcm or wav, not {response_format}")
+    started, first, audio_bytes = time.perf_counter(), None, 0
+    sink = wave.open(out, "wb") if response_format == "wav" else None
+    if sink is not None:
+        sink.setnchannels(1), sink.setsampwidth(SAMPLE_BYTES), sink.setframerate(SAMPLE_RATE)
+    for pcm in _until_closed(door, SOCKET_DOORS[door](endpoint.rstrip("/").replace("http", "ws", 1), text, voice)):
+        if sink is not None:
+            sink.writeframes(pcm)
+        else:
+            out.write(pcm)
+        audio_bytes += len(pcm)
+        first = first or time.perf_counter() - started
+        if progress is not None:
+            _progress(progress, first, audio_bytes, time.perf_counter() - started)
+    if sink is not None:
+        sink.close()  # the header's lengths, now known
+    out.flush()
+    result = SayResult(first or 0.0, audio_bytes / (SAMPLE_RATE * SAMPLE_BYTES), time.perf_counter() - started)
+    if progress is not None:
+        progress.write("\n")
+    return result
+
+
+def _send(ws, message: str) -> None:
+    """Send, unless the server has closed: what it said before closing is still read (its error)."""
+    try:
+        ws.send(message)
+    except ConnectionClosed:
+        pass
+
+
+def _until_closed(door: str, audio: Iterator[bytes]) -> Iterator[bytes]:
+    """A door's audio; its socket closed before the audio ended is an error, with the server's reason."""
+    try:
+        yield from audio
+    except ConnectionClosed as exc:
+        reason = exc.rcvd.reason if exc.rcvd else str(exc)
+        raise RuntimeError(f"the {door} door closed the socket before the audio ended: {reason}") from None
+
+
+def _cartesia(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/tts/websocket") as ws:
+        _send(ws, json.dumps({"context_id": uuid.uuid4().hex, "transcript": text, "continue": False,
+                              "model_id": "sonic-3", "voice": {"mode": "id", "id": voice},
+                              "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": SAMPLE_RATE}}))
+        for message in map(json.loads, ws):
+            if message.get("type") == "chunk":
+                yield base64.b64decode(message["data"])
+            elif message.get("type") == "error":
+                raise RuntimeError(f"cartesia door: {message.get('error')}")
+            elif message.get("type") == "done":
+                return
+
+
+def _deepgram(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/v1/speak?model={quote(voice)}&encoding=linear16&sample_rate={SAMPLE_RATE}") as ws:
+        _send(ws, json.dumps({"type": "Speak", "text": text}))
+        _send(ws, json.dumps({"type": "Flush"}))
+        for message in ws:
+            if isinstance(message, bytes):
+                yield message
+            elif (kind := json.loads(message).get("type")) == "Error":
+                raise RuntimeError(f"deepgram door: {json.loads(message).get('description')}")
+            elif kind == "Flushed":
+                _send(ws, json.dumps({"type": "Close"}))
+                return
+
+
+def _elevenlabs(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/v1/text-to-speech/{quote(voice)}/stream-input?output_format=pcm_{SAMPLE_RATE}") as ws:
+        _send(ws, json.dumps({"text": text, "flush": True}))
+        _send(ws, json.dumps({"text": ""}))
+        for message in map(json.loads, ws):
+            if message.get("error"):
+                raise RuntimeError(f"elevenlabs door: {message.get('message')}")
+            if message.get("audio"):
+                yield base64.b64decode(message["audio"])
+            if message.get("isFinal"):
+                return
+
+
+def _baseten(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/environments/production/websocket") as ws:
+        _send(ws, json.dumps({"voice": voice, "max_tokens": 2000, "buffer_size": 10}))
+        _send(ws, text)
+        _send(ws, "__END__")
+        for message in ws:  # the server closes the socket after the last audio
+            if isinstance(message, bytes):
+                yield message
+            else:
+                raise RuntimeError(f"baseten door: {json.loads(message).get('message')}")
+
+
+SOCKET_DOORS = {"cartesia": _cartesia, "deepgram": _deepgram, "elevenlabs": _elevenlabs, "baseten": _baseten}
+
+
 def say(endpoint: str, text: str, voice: str, out: BinaryIO, response_format: str, seed: int | None,
         progress: BinaryIO | None = sys.stderr) -> SayResult:
-    """Stream speech for `text` into `out`, printing a progress line to `progress`."""
+    """Stream speech for `text` into `out` through the OpenAI door, printing a progress line to `progress`."""
     body = {"model": "orpheus", "input": text, "voice": voice, "response_format": response_format}
     if seed is not None:
         body["seed"] = seed

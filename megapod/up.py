@@ -79,6 +79,7 @@ def _print_endpoints(config: MegaPodConfig) -> None:
     front = f"http://{config.host}:{config.front_port}"
     print(f"\nMegaPod ready: {config.workers} worker(s), {config.replicas} SNAC replica(s)", file=sys.stderr)
     print(f"  endpoint   {front}/v1/audio/speech   (OpenAI-compatible; least-active worker)", file=sys.stderr)
+    print(f"  playground {front}/   (type, pick a voice, hear it stream)", file=sys.stderr)
     for port in config.worker_ports():
         print(f"  worker     http://{config.host}:{port}", file=sys.stderr)
     for port in config.snac_ports():

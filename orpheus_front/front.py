@@ -40,6 +40,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, TRY_AGAIN_LATER, error_response, voices_of_header
+from orpheus_common.playground import playground
 from orpheus_common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -385,6 +386,8 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await _forward(client, pool, request)
+
+    app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
 
     @app.get("/health")
     async def health() -> dict:
