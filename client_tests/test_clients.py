@@ -70,6 +70,7 @@ from pipecat.services.cartesia.tts import CartesiaTTSService  # noqa: E402
 from pipecat.services.deepgram.tts import DeepgramTTSService  # noqa: E402
 from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService  # noqa: E402
 from pipecat.services.openai.tts import OpenAITTSService  # noqa: E402
+from pipecat.services.together.tts import TogetherTTSService  # noqa: E402
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
 PIPECAT = {
@@ -81,6 +82,11 @@ PIPECAT = {
                                        settings=OpenAITTSService.Settings(voice="alloy"), stop_frame_timeout_s=60.0),
     "elevenlabs": lambda: ElevenLabsTTSService(api_key="unused", url=f"ws://{HOST}",
                                                settings=ElevenLabsTTSService.Settings(voice="tara"), stop_frame_timeout_s=60.0),
+    # The service's own example: Orpheus on Together, voice tara.
+    "together": lambda: TogetherTTSService(api_key="unused", url=f"ws://{HOST}/v1/audio/speech/websocket",
+                                           settings=TogetherTTSService.Settings(voice="tara",
+                                                                                model="canopylabs/orpheus-3b-0.1-ft"),
+                                           stop_frame_timeout_s=60.0),
 }
 
 
@@ -164,7 +170,7 @@ class BargeIn(FrameProcessor):
             await self.broadcast_interruption()  # reaches the TTS service upstream, as a real barge-in does
 
 
-@pytest.mark.parametrize("service", ["cartesia", "deepgram", "elevenlabs"])
+@pytest.mark.parametrize("service", ["cartesia", "deepgram", "elevenlabs", "together"])
 async def test_pipecat_interruption_frees_the_engine_and_codec(service):
     before = requests_ended("cancelled")
     barge_in = BargeIn()
@@ -173,7 +179,7 @@ async def test_pipecat_interruption_frees_the_engine_and_codec(service):
     assert barge_in.heard, "audio was playing when the user spoke"
     assert await nothing_held() == {"orpheus_active_streams": 0, "orpheus_engine_unfinished_requests": 0,
                                     "snac_active_streams": 0}
-    assert requests_ended("cancelled") > before, "the server saw the barge-in (cancel / Clear / close_context)"
+    assert requests_ended("cancelled") > before, "the server saw the barge-in (cancel / Clear / close_context / clear)"
 
 
 # ---------------------------------------------------------------------------------------- LiveKit

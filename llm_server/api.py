@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, error_response, voices_header
 from orpheus_common.playground import playground
 
-from . import baseten, cartesia, clones, deepgram, elevenlabs, openai_speech, request_log
+from . import baseten, cartesia, clones, deepgram, elevenlabs, openai_speech, request_log, together
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .config import LlmServerConfig
@@ -114,7 +114,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for routes in (openai_speech, cartesia, deepgram, elevenlabs, baseten, clones):
+    for routes in (openai_speech, cartesia, deepgram, elevenlabs, baseten, together, clones):
         app.include_router(routes.router)
 
     @app.get("/v1/voices")

@@ -21,7 +21,7 @@ import httpx
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten")
+DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten", "together")
 
 SAMPLE_RATE, SAMPLE_BYTES, WAV_HEADER_BYTES = 24_000, 2, 44
 
@@ -139,7 +139,21 @@ def _baseten(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
                 raise RuntimeError(f"baseten door: {json.loads(message).get('message')}")
 
 
-SOCKET_DOORS = {"cartesia": _cartesia, "deepgram": _deepgram, "elevenlabs": _elevenlabs, "baseten": _baseten}
+def _together(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/v1/audio/speech/websocket?voice={quote(voice)}") as ws:
+        _send(ws, json.dumps({"type": "input_text_buffer.append", "text": text}))
+        _send(ws, json.dumps({"type": "input_text_buffer.commit"}))
+        for event in map(json.loads, ws):
+            if event["type"] in ("error", "conversation.item.tts.failed"):
+                raise RuntimeError(f"together door: {event['error'].get('message')}")
+            if event["type"] == "conversation.item.audio_output.delta":
+                yield base64.b64decode(event["delta"])
+            elif event["type"] == "conversation.item.audio_output.done":
+                return
+
+
+SOCKET_DOORS = {"cartesia": _cartesia, "deepgram": _deepgram, "elevenlabs": _elevenlabs, "baseten": _baseten,
+                "together": _together}
 
 
 def say(endpoint: str, text: str, voice: str, out: BinaryIO, response_format: str, seed: int | None,

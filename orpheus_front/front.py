@@ -69,7 +69,8 @@ SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak", "/v1/text-to-spee
                 "/v1/text-to-speech/{voice_id}/stream", "/v1/text-to-speech/{voice_id}/stream/with-timestamps",
                 "/environments/{environment}/predict")
 SOCKETS = ("/tts/websocket", "/v1/speak", "/v1/text-to-speech/{voice_id}/multi-stream-input",
-           "/v1/text-to-speech/{voice_id}/stream-input", "/environments/{environment}/websocket")
+           "/v1/text-to-speech/{voice_id}/stream-input", "/environments/{environment}/websocket",
+           "/v1/audio/speech/websocket")
 MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_streams)
 PROBE_EVERY_S = 1.0  # each worker's /ready is probed this often, in the background
 PROBE_TIMEOUT_S = 2.0
