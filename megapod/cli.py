@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from .say import DOORS
+from .doors import DOORS
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,6 @@ import httpx
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten", "together")
-
 SAMPLE_RATE, SAMPLE_BYTES, WAV_HEADER_BYTES = 24_000, 2, 44
 
 
@@ -42,7 +40,7 @@ class SayResult:
 
 def say_through(door: str, endpoint: str, text: str, voice: str, out: BinaryIO, response_format: str,
                 seed: int | None, progress: BinaryIO | None = sys.stderr) -> SayResult:
-    """say() through `door` (DOORS): the OpenAI door in any of its formats, a socket door in pcm or wav."""
+    """say() through `door` (doors.DOORS): the OpenAI door in any of its formats, a socket door in pcm or wav."""
     if door == "openai":
         return say(endpoint, text, voice, out, response_format, seed, progress)
     if response_format not in ("pcm", "wav"):

@@ -10,7 +10,8 @@ import wave
 import pytest
 from served import FRAME_BYTES, ScriptedEngineDouble, serving
 
-from megapod.say import DOORS, say_through
+from megapod.doors import DOORS
+from megapod.say import say_through
 
 FRAMES = 4
 
