@@ -23,9 +23,9 @@ HOST = URL.split("://", 1)[1]
 WORKER_METRICS = [u for u in os.environ.get("MEGAPOD_WORKER_METRICS", f"{URL}/metrics").split(",") if u]
 SNAC_METRICS = [u for u in os.environ.get("MEGAPOD_SNAC_METRICS", "").split(",") if u]
 FRAME = 2048
-# Short: with random weights every segment speaks to its token budget (its length in characters),
-# so a shorter sentence is a shorter test, and what these tests check does not depend on it.
-TEXT = "Hello from the MegaPod."
+# Two short sentences, an agent's reply (two segments, each its own engine request): with random weights every
+# segment speaks up to its token budget (its length in characters), so shorter is a shorter test.
+TEXT = "Hello from the MegaPod. Bye."
 LONG = " ".join(f"This is sentence number {i} of a long answer that the user will talk over." for i in range(12))
 MP3_PRIMING = 1105 + 576  # LAME's delay and a frame of padding, in samples
 
