@@ -32,7 +32,7 @@ from .encoding import AudioOutput
 from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, Refused, SpeechSession, SpeechSpec
-from .voices import UnknownVoice, Voice
+from .voices import UnknownVoice
 from .ws_util import SocketGone, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full
 
 log = logging.getLogger(__name__)
@@ -41,17 +41,6 @@ router = APIRouter()
 END = "__END__"  # the client's last text frame
 PCM = AudioOutput("pcm")  # what the plugin plays: s16le at 24 kHz
 BAD_MESSAGE, UNSUPPORTED_DATA, TRY_AGAIN_LATER = 1008, 1003, 1013
-
-
-def _voice(runtime, name: object) -> Voice:
-    if name is None:
-        return runtime.voices.default
-    if not isinstance(name, str):
-        raise ValueError("voice must be a string")
-    try:
-        return runtime.voices.resolve(name)
-    except UnknownVoice as exc:
-        raise ValueError(str(exc)) from None
 
 
 class BasetenSocket:
@@ -94,9 +83,8 @@ class BasetenSocket:
             await self._refuse(UNSUPPORTED_DATA, "the first message is the JSON metadata, not a binary frame")
             return None
         try:
-            metadata = parse_message(first)
-            voice = _voice(self.runtime, metadata.get("voice"))
-        except ValueError as exc:
+            voice = self.runtime.voices.named(parse_message(first).get("voice"))
+        except (ValueError, UnknownVoice) as exc:
             await self._refuse(BAD_MESSAGE, f"the first message must be the JSON metadata {{voice, max_tokens, "
                                             f"buffer_size}}: {exc}")
             return None
@@ -139,8 +127,8 @@ async def baseten_predict(request: Request, environment: str) -> Response:
     runtime = request.app.state.runtime
     body = await text_body(request, "prompt")
     try:
-        voice = _voice(runtime, body.get("voice"))
-    except ValueError as exc:
+        voice = runtime.voices.named(body.get("voice"))
+    except UnknownVoice as exc:
         raise ApiError(400, str(exc), "voice") from None
     spec = SpeechSpec(voice, random.getrandbits(31), PCM, trim_of(runtime.config))
     return await speak_whole(request, spec, body["prompt"], "baseten")

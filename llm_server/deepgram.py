@@ -33,7 +33,8 @@ from .errors import ApiError
 from .openai_speech import speak_whole, text_body, trim_of
 from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
 from .speech import PromptTooLong
-from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full
+from .ws_util import (MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full,
+                      stop_sessions)
 from .voices import UnknownVoice, Voice, VoiceRegistry
 
 log = logging.getLogger(__name__)
@@ -211,13 +212,7 @@ class DeepgramSocket:
     async def _stop_all(self, outcome: str) -> None:
         """Barge-in or a vanished client: every group stops now and releases what it holds."""
         self.current = None
-        for session in list(self.live):
-            session.cancel(outcome)
-        self.sender.cancel()
-        await asyncio.gather(self.sender, return_exceptions=True)
-        for session in list(self.live):
-            await session.close()
-        self.live.clear()
+        await stop_sessions(self.live, self.sender, outcome)
         self.groups = asyncio.Queue()
 
     async def _warning(self, code: str, text: str) -> None:

@@ -30,7 +30,8 @@ from .encoding import AudioOutput
 from .openai_speech import trim_of
 from .session import Audio, Refused, SpeechSession, SpeechSpec
 from .voices import UnknownVoice, Voice
-from .ws_util import MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full
+from .ws_util import (MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, context_audio, parse_message,
+                      refuse_when_full, stop_sessions)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -84,10 +85,11 @@ class TogetherSocket:
             self.sender = asyncio.create_task(self._speak_items())
             await self.out.tell({"type": "input_text_buffer.cleared"})
         elif kind == "tts_session.updated":
-            voice = (event.get("session") or {}).get("voice") if isinstance(event.get("session"), dict) else None
+            session = event.get("session")
             try:
-                self.voice = _voice(self.runtime, voice) if voice is not None else self.voice
-            except ValueError as exc:
+                if isinstance(session, dict) and session.get("voice") is not None:
+                    self.voice = self.runtime.voices.named(session["voice"])
+            except UnknownVoice as exc:
                 await self._error("invalid_voice", str(exc))
                 return
             await self.out.tell({"type": "session.updated", "session": {"voice": self.voice.name}})
@@ -145,26 +147,11 @@ class TogetherSocket:
     async def _clear(self, outcome: str) -> None:
         """The cancel (or a vanished client): uncommitted text and every item stop now and release what they hold."""
         self.buffer = []
-        for session in list(self.live):
-            session.cancel(outcome)
-        self.sender.cancel()
-        await asyncio.gather(self.sender, return_exceptions=True)
-        for session in list(self.live):
-            await session.close()
-        self.live.clear()
+        await stop_sessions(self.live, self.sender, outcome)
         self.items = asyncio.Queue()
 
     async def _error(self, code: str, message: str) -> None:
         await self.out.tell({"type": "error", "error": {"type": "invalid_request_error", "code": code, "message": message}})
-
-
-def _voice(runtime, name: object) -> Voice:
-    if not isinstance(name, str) or not name:
-        raise ValueError("voice must be a voice name")
-    try:
-        return runtime.voices.resolve(name)
-    except UnknownVoice as exc:
-        raise ValueError(str(exc)) from None
 
 
 @router.websocket("/v1/audio/speech/websocket")
@@ -174,8 +161,8 @@ async def together_websocket(ws: WebSocket) -> None:
         return
     await ws.accept()
     try:
-        voice = _voice(runtime, ws.query_params.get("voice", runtime.voices.default.name))
-    except ValueError as exc:
+        voice = runtime.voices.named(ws.query_params.get("voice"))
+    except UnknownVoice as exc:
         out = SocketWriter(ws)
         await out.tell({"type": "error", "error": {"type": "invalid_request_error", "code": "invalid_voice",
                                                    "message": str(exc)}})

@@ -111,7 +111,8 @@ _VOICES_FILE_FORMAT = TypeAdapter(list[_Listed])
 class VoiceRegistry:
     """Voices by name (case-insensitive), the aliases that point at them and the default voice."""
 
-    def __init__(self, voices: Sequence[Voice], aliases: Mapping[str, str], vendor_fallback: bool = True) -> None:
+    def __init__(self, voices: Sequence[Voice], aliases: Mapping[str, str], vendor_fallback: bool = True,
+                 held_adapters: int = 4) -> None:
         if not voices:
             raise ValueError("a worker needs at least one voice")
         self._voices = {v.name.lower(): v for v in voices}
@@ -123,7 +124,7 @@ class VoiceRegistry:
             log.info("voice aliases left out (their voice is not this checkpoint's): %s", ", ".join(dropped))
         self.default = voices[0]
         self.vendor_fallback = vendor_fallback
-        self.held_adapters = 4  # how many adapters the engine keeps loaded (max_cpu_loras)
+        self.held_adapters = held_adapters  # how many adapters the engine keeps loaded (max_cpu_loras)
         self._loaded: OrderedDict[str, None] = OrderedDict()  # LoRA voices the engine has loaded, most recent last
 
     @classmethod
@@ -135,9 +136,8 @@ class VoiceRegistry:
             log.info("voices from %s: %s", listed, ", ".join(v.name for v in voices))
         else:
             voices = [Voice(name, CHECKPOINT, config.voices_language or None) for name in config.voices]
-        registry = cls(voices, parse_aliases(config.voice_aliases), config.vendor_voice_fallback)
-        registry.held_adapters = config.max_cpu_loras or config.max_loras
-        return registry
+        return cls(voices, parse_aliases(config.voice_aliases), config.vendor_voice_fallback,
+                   config.max_cpu_loras or config.max_loras)
 
     def is_checkpoints(self, name: str) -> bool:
         return name.lower() in self._checkpoint
@@ -178,6 +178,15 @@ class VoiceRegistry:
         if voice is None:
             raise self._unknown(name)
         return voice
+
+    def named(self, name: object) -> Voice:
+        """The voice a protocol's field names, whatever JSON it holds: absent (None), the default voice; anything
+        but a voice or an alias, UnknownVoice saying so (the doors that speak only this server's voices)."""
+        if name is None:
+            return self.default
+        if not isinstance(name, str):
+            raise UnknownVoice(f"voice must be a string (a voice name), not {type(name).__name__}")
+        return self.resolve(name)
 
     def resolve_vendor(self, name: str | None) -> tuple[Voice, str | None]:
         """For the doors whose clients send their own vendor's voice ids: the voice named, or the default

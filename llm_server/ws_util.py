@@ -125,8 +125,16 @@ async def context_audio(session: SpeechSession, out: SocketWriter,
 
 async def stop_context(session: SpeechSession, sender: asyncio.Task | None, outcome: str) -> None:
     """Stop a context's audio now and release what it holds: engine request, codec stream, slot."""
-    session.cancel(outcome)
+    await stop_sessions([session], sender, outcome)
+
+
+async def stop_sessions(sessions: list[SpeechSession], sender: asyncio.Task | None, outcome: str) -> None:
+    """Stop these sessions' audio now (the task sending it too) and release what each holds; `sessions` is emptied."""
+    for session in list(sessions):
+        session.cancel(outcome)
     if sender is not None:
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
-    await session.close()
+    for session in list(sessions):
+        await session.close()
+    sessions.clear()

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import NOTHING_HELD, ScriptedEngineDouble, baseline, serving, settled
+from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, serving, settled
 
+from llm_server.prompt import prompt_ids
 from orpheus_common.playground import PAGE
 from orpheus_front.front import create_front_app
 
@@ -69,7 +70,8 @@ async def test_the_page_lists_voices_plays_a_stream_as_it_arrives_and_stop_frees
             await asyncio.to_thread(driver.execute_script, "document.getElementById('stop').click()")
             assert await until(driver, "document.getElementById('state').textContent === 'stopped'")
             assert await settled(served, snac_server, quiet, count_tasks=False) == NOTHING_HELD
-            assert engine.prompts and any(p for p in engine.prompts.values())
+            text = await asyncio.to_thread(driver.execute_script, "return document.getElementById('text').value")
+            assert prompt_ids(CharTokenizerDouble(), "leo", text) in engine.prompts.values()  # the page's text and voice
         finally:
             await asyncio.to_thread(driver.quit)
 
