@@ -19,6 +19,10 @@ Reported (JSON, default benchmarks/results/soak-cpu.json, and a one-screen summa
   audio to s16 rounding);
 - memory (RSS) of every process of the stack, vLLM's children included: after warm-up, at the end,
   peak, growth, and MB/hour from a linear fit over periodic samples;
+- the servers' own event-loop lag (`orpheus_event_loop_lag_seconds`, orpheus_common/loop_lag.py), the workers'
+  together and the front's: p50 and p99 over the soak (the histogram's buckets read after warm-up and after the
+  drain, interpolated as Prometheus's histogram_quantile does) and the largest since each process started
+  (`orpheus_event_loop_lag_max_seconds`), in ms: `worker_loop_lag_p99_ms`, `worker_loop_lag_max_ms`, `front_...`;
 - provenance (versions, git commit, CPU, machine load) and the cores each part used.
 
 After the soak, on the idle stack, `--doors N` measures what a voice agent waits for at the front
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import math
 import os
@@ -65,11 +70,12 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR):
+for _path in (REPO_ROOT, BENCH_DIR, REPO_ROOT / "tests"):  # tests/: the hostile corpus (hostile_audio.py)
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -88,6 +94,7 @@ DOOR_TEXT = "Thanks for calling, how can I help you today?"
 LONG_TEXT = " ".join(["This is a long answer that keeps the stream busy while others knock."] * 6)
 HELD = ("orpheus_active_streams", "orpheus_engine_unfinished_requests", "snac_active_streams", "snac_state_slots_in_use")
 RELEASE_DEADLINE_S = 30.0
+LOOP_LAG = "orpheus_event_loop_lag_seconds"  # orpheus_common/loop_lag.py: on the workers' and the front's /metrics
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -109,6 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attach", type=int, default=None, metavar="PID",
                    help="soak a `megapod up` already running (its pid; workers with a fixed cap) instead of starting "
                         "one: the slots beyond --max-streams are held by silent contexts, and it is left running")
+    p.add_argument("--hostile-uploads-every-s", type=float, default=0.0, metavar="S",
+                   help="during the soak, a crafted recording (tests/hostile_audio.py, the worst first) posted to the "
+                        "worker's POST /v1/voices every S seconds (0: none; the soak's own stack gets a voices directory)")
     p.add_argument("--memory-every-s", type=float, default=5.0, help="RSS sampling period")
     p.add_argument("--replays", type=int, default=3, help="replies replayed at the end with the same seed (0: none)")
     p.add_argument("--doors", type=int, default=0, metavar="N",
@@ -354,6 +364,119 @@ def _openai_error(body: bytes) -> bool:
 
 
 # -- the stack's own counters --------------------------------------------------------------------
+
+
+async def loop_lag(stack: LocalStack) -> dict[str, dict[str, Any]]:
+    """The event-loop lag histogram ({le: cumulative count}, the workers' summed) and the largest lag since start
+    (the workers' largest) of the workers and of the front, from one scrape of each; a page that cannot be read
+    or lacks the metric gives no buckets and a nan max."""
+    host = stack.config.host
+    pages = {"worker": [f"http://{host}:{p}/metrics" for p in stack.config.worker_ports()],
+             "front": [f"{stack.url}/metrics"]}
+    out: dict[str, dict[str, Any]] = {}
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        for server, urls in pages.items():
+            buckets: dict[float, float] = {}
+            peak = float("nan")
+            for url in urls:
+                try:
+                    families = list(text_string_to_metric_families((await client.get(url)).text))
+                except (httpx.HTTPError, ValueError):
+                    continue
+                for sample in (s for f in families for s in f.samples):
+                    if sample.name == f"{LOOP_LAG}_bucket":
+                        le = float(sample.labels["le"])
+                        buckets[le] = buckets.get(le, 0.0) + sample.value
+                    elif sample.name == "orpheus_event_loop_lag_max_seconds":
+                        peak = sample.value if math.isnan(peak) else max(peak, sample.value)
+            out[server] = {"buckets": buckets, "max_s": peak}
+    return out
+
+
+def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus's histogram_quantile of cumulative bucket counts: linear within the bucket the rank falls in,
+    the largest finite bound when it falls in +Inf's; None without observations."""
+    total = buckets.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in sorted(buckets):
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return le if count == below else lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+def loop_lag_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """worker_/front_loop_lag_{p50,p99,max}_ms: quantiles of the lag observed between the two scrapes, and the
+    largest since each process started (None where the metric was not read)."""
+    out: dict[str, Any] = {}
+    for server in ("worker", "front"):
+        start, end = before[server]["buckets"], after[server]["buckets"]
+        delta = {le: n - start.get(le, 0.0) for le, n in end.items()}
+        if any(n < 0 for n in delta.values()):  # a process restarted between the scrapes: its counts since then
+            delta = end
+        for q in (50, 99):
+            v = bucket_quantile(q / 100, delta)
+            out[f"{server}_loop_lag_p{q}_ms"] = None if v is None else round(v * 1000, 2)
+        out[f"{server}_loop_lag_observed"] = int(delta.get(math.inf, 0))
+        peak = after[server]["max_s"]
+        out[f"{server}_loop_lag_max_ms"] = None if math.isnan(peak) else round(peak * 1000, 2)
+    return out
+
+
+# -- hostile uploads beside the soak (issue 41) ------------------------------------------------------------
+
+# The corpus items that cost the most to refuse (tests/hostile_audio.py), then a legal one that makes a voice.
+HOSTILE_FIRST = ("flac_tiny_frames_384k", "flac_tiny_frames_48k", "flac_hour_of_near_silence_undeclared",
+                 "opus_tiny_frames_undeclared", "wav_32_channels", "mkv_20_audio_streams", "flac_corrupt_throughout",
+                 "flac_tiny_frames_48k_within_bounds")
+
+
+async def post_corpus(worker: str, items: Sequence[str], every_s: float = 0.0, forever: bool = False
+                      ) -> list[dict[str, Any]]:
+    """Post each item to the worker's POST /v1/voices in turn (over and over with `forever`, until cancelled),
+    `every_s` apart; a voice made is deleted again. Each answer: the item, its status, what it said, how long, and
+    when (`window`: perf_counter at the post and at the answer)."""
+    from hostile_audio import corpus
+
+    made = corpus()  # made before the first post: encoding them is this client's CPU, not the worker's
+    payloads = {name: await asyncio.to_thread(made[name]) for name in dict.fromkeys(items)}
+    answers = []
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        try:
+            for i, name in enumerate(itertools.cycle(items) if forever else items):
+                audio = payloads[name]
+                started = time.perf_counter()
+                reply = await client.post(f"{worker}/v1/voices", data={"name": f"hostile-{i}", "transcript": "Hello."},
+                                          files={"audio": ("reference", audio, "application/octet-stream")})
+                answers.append({"item": name, "bytes": len(audio), "status": reply.status_code,
+                                "answer_s": round(time.perf_counter() - started, 3), "window": (started, time.perf_counter()),
+                                "said": reply.json().get("error", {}).get("message") if reply.status_code >= 400 else None})
+                if reply.status_code == 201:
+                    await client.delete(f"{worker}/v1/voices/hostile-{i}")
+                await asyncio.sleep(every_s)
+        except asyncio.CancelledError:
+            pass
+    return answers
+
+
+async def stop_posting(task: asyncio.Task | None) -> list[dict[str, Any]]:
+    if task is None:
+        return []
+    task.cancel()
+    return await task
+
+
+def upload_summary(answers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not answers:
+        return None
+    slowest = max(answers, key=lambda a: a["answer_s"])
+    return {"posted": len(answers), "by_status": dict(Counter(str(a["status"]) for a in answers)),
+            "answer_s_max": slowest["answer_s"], "slowest": {k: v for k, v in slowest.items() if k != "window"}}
 
 
 async def health(stack: LocalStack) -> dict[str, Any]:
@@ -736,14 +859,20 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
                       args.read_timeout_s)
         await stack.wait_idle()
         frames_before = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"]
+        lag_before = await loop_lag(stack)
         memory = MemoryWatch(stack, args.memory_every_s).start()  # "start" = after warm-up
         cpu_before = cpu_snapshot([stack])
         level = SoakLevel(endpoint, shape, corpus, args.concurrency, args.minutes * 60, args.probe_every_s,
                           args.disconnect_every_s, args.drain_timeout_s)
+        uploading = asyncio.create_task(post_corpus(f"http://{stack.config.host}:{stack.config.worker_ports()[0]}",
+                                                    HOSTILE_FIRST, args.hostile_uploads_every_s, forever=True)) \
+            if args.hostile_uploads_every_s else None
         run = await level.run_level()
+        uploads = await stop_posting(uploading)
         idle_wait_s = await stack.wait_idle()
         cores = cpu_cores(cpu_before, cpu_snapshot([stack]))
         frames = (await stack.worker_metrics("orpheus_frames_total"))["orpheus_frames_total"] - frames_before
+        lag = loop_lag_summary(lag_before, await loop_lag(stack))
         memory.stop()
         replays = await replay(endpoint, corpus, shape, run.requests, args.replays)
         door = await doors(stack, args.doors) if args.doors else None
@@ -758,7 +887,7 @@ async def soak(args: argparse.Namespace, stack: LocalStack, corpus: Corpus) -> d
     return {"wall_s_load": round(run.wall_s, 1), "drained": level.drained, "load": load_summary(run),
             "probes": probe_summary(level.probes), "audio": audio_check(run, level.probes, frames),
             "replays": replays, "doors": door, "overload": flood, "memory": memory.summary(), "end_state": end_state, "cores": cores,
-            "client_loop_lag_ms": run.loop_lag_ms}
+            "client_loop_lag_ms": run.loop_lag_ms, **lag, "hostile_uploads": upload_summary(uploads)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -772,6 +901,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         flags = [*shlex.split(args.megapod_args), "--workers", "1", "--max-streams-per-worker", str(args.max_streams),
                  "--min-streams-per-worker", str(args.max_streams)]  # a fixed cap: the overload phase probes it
+        if args.hostile_uploads_every_s:
+            flags += ["--voices-dir", str(log_dir / "voices")]
         stack = LocalStack("soak", flags, log_dir)
         stack.plan(set())
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -857,6 +988,9 @@ def print_summary(r: dict[str, Any], out: Path) -> None:
         print(f"    {name:<34s} {s['start_mb']:8.1f} -> {s['end_mb']:8.1f}  peak {s['peak_mb']:8.1f}  "
               f"{s['growth_mb']:+7.1f} MB  {_fmt(s['mb_per_hour'])} MB/h ({_fmt(s['mb_per_hour_second_half'])})"
               + ("" if s.get("alive_at_end", True) else "  GONE"))
+    lag = ["{}: p50/p99 {}/{} ms over the soak, max {} ms since start".format(
+        name, *(r[f"{name}_loop_lag_{x}_ms"] for x in ("p50", "p99", "max"))) for name in ("worker", "front")]
+    print(f"  loop lag  {'; '.join(lag)} (a frame is 85 ms)")
     end = r["end_state"]
     print(f"  end       active streams {end['active_streams']:g}, engine requests {end['engine_unfinished']:g}, "
           f"health {'OK' if end['health']['ok'] else end['health']}")

@@ -71,6 +71,8 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.runtime = runtime or await Runtime.start(config)
+        if app.state.runtime.voices_dir is not None:  # it takes clone uploads: their decoder's process, started now
+            await asyncio.to_thread(app.state.runtime.reference_decoder.warm)
         # Everything loaded so far (torch, transformers, vLLM's client) lives as long as the process:
         # out of the collector's sight, a full collection no longer walks it. Unfrozen, each one
         # stalled every stream of the worker for 300+ ms (benchmarks/serving_cpu.py, 256 streams).
@@ -78,7 +80,8 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         gc.collect()
         gc.freeze()
         watching = [asyncio.create_task(app.state.runtime.watch_capacity()),
-                    asyncio.create_task(app.state.runtime.watch_voices())]
+                    asyncio.create_task(app.state.runtime.watch_voices()),
+                    asyncio.create_task(app.state.runtime.metrics.loop_lag.watch())]
         try:
             yield
         finally:
@@ -146,6 +149,8 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(request.app.state.runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # On a thread: vLLM's histograms make it milliseconds of work, and prometheus_client collects thread-safely.
+        exposition = await asyncio.to_thread(generate_latest, request.app.state.runtime.metrics.registry)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -52,7 +52,8 @@ class BasetenSocket:
         self.chars = 0
 
     async def run(self) -> None:
-        messages = client_messages(self.ws, self.out)
+        messages = client_messages(self.ws, self.out, self.runtime,
+                                   lambda why: self._refuse(BAD_MESSAGE, why))
         session = await self._open(await anext(messages, None))
         if session is None:
             return

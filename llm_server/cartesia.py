@@ -103,7 +103,7 @@ class CartesiaSocket:
 
     async def run(self) -> None:
         try:
-            async for text in client_messages(self.ws, self.out):
+            async for text in client_messages(self.ws, self.out, self.runtime, lambda why: self._error(None, 429, why)):
                 if text is None:
                     await self._error(None, 400, "binary frames are not part of this protocol: send JSON text")
                     continue

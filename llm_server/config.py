@@ -14,6 +14,7 @@ from pydantic_settings import SettingsConfigDict
 
 from codec_contract.audio import Policy
 from orpheus_common.settings import CommaList, Settings
+from orpheus_common.socket_budget import SocketLimits
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
@@ -95,6 +96,13 @@ class LlmServerConfig(Settings):
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536
+    # What one client socket may send (orpheus_common/socket_budget.py): messages and text a second, sustained, with
+    # bursts of five seconds' worth; over it, messages are refused unread and a flood that goes on is closed.
+    socket_messages_per_s: float = Field(200.0, gt=0)
+    socket_bytes_per_s: int = Field(256 * 1024, ge=65536)
+    # Clone uploads (clones.py): decoded in a process of their own, at most this many at once, each within this.
+    max_reference_uploads: int = Field(2, ge=1)
+    reference_decode_timeout_s: float = Field(10.0, gt=0)
     # A client this many seconds of audio behind real time, while audio waits for it, is cut off.
     max_client_lag_s: float = Field(30.0, gt=0)
     # Security: API keys file (lines `name:key[:max_streams]`, re-read when it changes); empty: open.
@@ -152,6 +160,11 @@ class LlmServerConfig(Settings):
         if (self.codec_tls_cert or self.codec_tls_server_name) and not self.codec_tls_ca:
             raise ValueError("codec_tls_cert and codec_tls_server_name need codec_tls_ca (TLS to the codec tier)")
         return self
+
+    @property
+    def socket_limits(self) -> SocketLimits:
+        return SocketLimits(messages_per_s=self.socket_messages_per_s, message_burst=5 * self.socket_messages_per_s,
+                            bytes_per_s=self.socket_bytes_per_s, byte_burst=4 * self.socket_bytes_per_s)
 
     @property
     def stream_ceiling(self) -> int:

@@ -111,7 +111,8 @@ class DeepgramSocket:
         if self.settings.warning:
             await self._warning("VOICE_SUBSTITUTED", self.settings.warning)
         try:
-            async for text in client_messages(self.ws, self.out):
+            async for text in client_messages(self.ws, self.out, self.runtime,
+                                             lambda why: self._error("TOO_MANY_REQUESTS", why)):
                 if text is None:
                     await self._error("INVALID_MESSAGE", "binary frames are not part of this protocol: send JSON text")
                     continue

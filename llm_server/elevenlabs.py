@@ -126,7 +126,7 @@ class ElevenLabsSocket:
 
     async def run(self) -> None:
         try:
-            async for text in client_messages(self.ws, self.out):
+            async for text in client_messages(self.ws, self.out, self.runtime, lambda why: self._error(None, why)):
                 if text is None:
                     await self._error(None, "binary frames are not part of this protocol: send JSON text")
                     continue

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from orpheus_common.loop_lag import LoopLag
+
 # Around what a voice agent feels: 100-300 ms to first audio is good, a second is bad.
 _TTFA_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
 
@@ -55,6 +57,10 @@ class LlmMetrics:
                                    "once now (above 1 while the limit falls below what was admitted)", registry=r)
         self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
                           "(1: exactly real time; NaN: too little decoding to say)", registry=r)
+        # action: refused (a message over a socket's budget, dropped unread), closed (a flood that went on)
+        self.socket_refused = Counter("orpheus_socket_budget_refusals", "Client socket messages refused over the "
+                                      "socket's budget, and sockets closed for it", ["action"], registry=r)
+        self.loop_lag = LoopLag(r)
         self.unauthorized = Counter("orpheus_unauthorized_requests", "Requests refused for a missing or unknown API key",
                                     registry=r)
         self.engine_queue = Gauge("orpheus_engine_unfinished_requests", "Requests held by the engine", registry=r)

@@ -18,6 +18,7 @@ from .engine import Engine
 from .metrics import LlmMetrics
 from .model_source import resolve_model
 from .prompt import Tokenizer
+from .reference_audio import ReferenceBounds, ReferenceDecoder
 from .speech import SpeechPipeline
 from .voices import VoiceRegistry, VoicesDirectory
 
@@ -68,6 +69,7 @@ class Runtime:
     metrics: LlmMetrics
     voices: VoiceRegistry
     voices_dir: VoicesDirectory | None = None  # the operator's own voices (--voices-dir), re-read while serving
+    reference_decoder: ReferenceDecoder | None = None  # clone uploads' recordings (clones.py)
 
     @classmethod
     async def start(cls, config: LlmServerConfig) -> Runtime:
@@ -102,7 +104,9 @@ class Runtime:
         metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
-        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics, voices, voices_dir)
+        decoder = ReferenceDecoder(ReferenceBounds(max_s=config.max_reference_s), config.reference_decode_timeout_s,
+                                   config.max_reference_uploads)
+        return cls(config, engine, codec, tokenizer, pipeline, admission, metrics, voices, voices_dir, decoder)
 
     async def refresh_voices(self) -> None:
         """Read the voices directory again if it changed: new adapters loaded into the engine, removed ones

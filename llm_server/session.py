@@ -185,7 +185,7 @@ class SpeechSession:
                 heard = True
                 self._metrics.time_to_first_audible_audio.observe(time.perf_counter() - self._started)
             emitted += len(pcm) // SAMPLE_BYTES
-            data = encoder.encode(pcm)
+            data = await encoder.encode_chunk(pcm)
             if data:
                 if not sent:
                     sent = True
@@ -193,7 +193,7 @@ class SpeechSession:
                 seconds = len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE)
                 self._metrics.audio_seconds.inc(seconds)
                 yield Audio(data, seconds)
-        tail = encoder.finish()
+        tail = await encoder.finish_stream()
         if tail:
             yield Audio(tail, 0.0)
         self.outcome = "ok"

@@ -46,6 +46,7 @@ class TogetherSocket:
         self.ws, self.runtime, self.key, self.voice = ws, runtime, key, voice
         self.out = SocketWriter(ws)
         self.buffer: list[str] = []
+        self.buffered = 0  # characters in buffer
         self.items: asyncio.Queue[tuple[str, SpeechSession, str]] = asyncio.Queue()
         self.live: list[SpeechSession] = []  # every item committed and not yet spoken out
         self.sender = asyncio.create_task(self._speak_items())
@@ -53,7 +54,8 @@ class TogetherSocket:
     async def run(self) -> None:
         await self.out.tell({"type": "session.created", "session": {"id": uuid.uuid4().hex, "voice": self.voice.name}})
         try:
-            async for text in client_messages(self.ws, self.out):
+            async for text in client_messages(self.ws, self.out, self.runtime,
+                                             lambda why: self._error("rate_limit_exceeded", why)):
                 if text is None:
                     await self._error("invalid_event", "binary frames are not part of this protocol: send JSON events")
                     continue
@@ -74,10 +76,11 @@ class TogetherSocket:
             text = event.get("text")
             if not isinstance(text, str):
                 await self._error("invalid_event", "input_text_buffer.append needs text (a string)")
-            elif sum(map(len, self.buffer)) + len(text) > self.runtime.config.max_input_chars:
+            elif self.buffered + len(text) > self.runtime.config.max_input_chars:
                 await self._error("input_too_long", f"over {self.runtime.config.max_input_chars} characters before a commit")
             else:
                 self.buffer.append(text)
+                self.buffered += len(text)
         elif kind == "input_text_buffer.commit":
             await self._commit()
         elif kind == "input_text_buffer.clear":
@@ -98,7 +101,7 @@ class TogetherSocket:
                                                ".clear or tts_session.updated")
 
     async def _commit(self) -> None:
-        text, self.buffer = "".join(self.buffer).strip(), []
+        text, self.buffer, self.buffered = "".join(self.buffer).strip(), [], 0
         if not text:
             return
         if len(self.live) >= MAX_CONTEXTS:
@@ -146,7 +149,7 @@ class TogetherSocket:
 
     async def _clear(self, outcome: str) -> None:
         """The cancel (or a vanished client): uncommitted text and every item stop now and release what they hold."""
-        self.buffer = []
+        self.buffer, self.buffered = [], 0
         await stop_sessions(self.live, self.sender, outcome)
         self.items = asyncio.Queue()
 

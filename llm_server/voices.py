@@ -28,13 +28,16 @@ the protocol's warning or logged, unless vendor_voice_fallback is off, when they
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import logging
+import os
 import re
 import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -273,6 +276,8 @@ class _VoiceFile(BaseModel):
 VOICE_NAME = re.compile(r"^[^\s:/\\.][^\s:/\\]{0,63}$")  # a voice name, and no hidden directory
 
 
+SWEEP_EVERY = 30  # scans: every voice's directory looked at again (a minute at --voices-poll-s 2, 30 s at 1)
+
 # The engine knows an adapter by its id alone (one it has loaded under an id is never read again): ids are unique
 # in the process, whichever directory an adapter comes from.
 _ADAPTER_IDS = itertools.count(1)
@@ -286,49 +291,128 @@ def has_adapters(root: str) -> bool:
 class VoicesDirectory:
     """The voices directory (--voices-dir): one sub-directory a voice, read again whenever it changes.
 
-    refresh() compares what the directory holds (names, sizes, modification times) with the last reading;
-    on a change it reads each voice, has the engine load adapters it has not seen (`load`: the engine's
-    load_adapter, which raises saying why it cannot) and gives the registry the voices that are usable."""
+    refresh() scans the directory in a thread (it is often a network volume, where each stat can take
+    milliseconds, and it may hold thousands of clones): the directory's own modification time, a listing when it
+    changed, and for the voices that are not clones (LoRA adapters, whose files may be rewritten in place) each
+    file's size and modification time; a clone's files are only ever replaced whole, by a rename that changes the
+    directory, so a clone already known costs nothing but at a sweep (one stat of its directory, every
+    SWEEP_EVERY scans). Only the voices whose reading changed are read again. Back on the event loop, the
+    engine loads adapters it has not seen (`load`: the engine's load_adapter, which raises saying why it
+    cannot), and the registry gets the usable voices in one step. `stat` is os.stat, or a stand-in for a slow filesystem in a test."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, stat: Callable[[str], os.stat_result] = os.stat) -> None:
         self.root = Path(root)
-        self._seen: object = None
-        self._versions: dict[tuple[str, object], int] = {}  # (voice, its files' reading) -> adapter id
+        self.stat = stat  # every stat of the scan goes through it
+        self._known: dict[str, tuple[tuple, Voice | None]] | None = None  # name -> (its reading, its voice)
+        self._versions: dict[tuple[str, tuple], int] = {}  # (voice, its files' reading) -> adapter id
         self._loaded: set[int] = set()
+        self._scans = 0
+        self._seen_root_mtime: int | None = None
+        self._lock = asyncio.Lock()  # one refresh at a time (the poll, and a clone made or deleted)
+        self._making: set[str] = set()  # names an upload of this worker is making now
 
-    def _reading(self) -> tuple:
-        if not self.root.is_dir():
-            return ()
-        # A leading dot: a voice being written (clones.py), or no voice at all.
-        return tuple(sorted((d.name, _files_of(d)) for d in self.root.iterdir() if d.is_dir() and d.name[0] != "."))
+    @contextlib.contextmanager
+    def making(self, name: str) -> Iterator[bool]:
+        """Hold `name` while an upload makes it: yields False when another upload of this worker holds it."""
+        key = name.lower()
+        if key in self._making:
+            yield False
+            return
+        self._making.add(key)
+        try:
+            yield True
+        finally:
+            self._making.discard(key)
 
     async def refresh(self, registry: VoiceRegistry, load: Callable[[Adapter], Awaitable[None]]) -> bool:
-        """Read the directory again if it changed; True if it did."""
-        reading = self._reading()
-        if reading == self._seen:
-            return False
-        self._seen = reading
-        usable, loaded_now = [], []
-        for name, files in reading:
-            voice = self._voice(name, files, registry)
-            if voice is None:
-                continue
-            if voice.adapter is not None and voice.adapter.id not in self._loaded:
-                try:
-                    await load(voice.adapter)
-                except Exception as exc:
-                    log.warning("voice %r (%s) is not offered: %s", name, self.root / name, exc)
+        """Read the directory again if it changed; True if it did (and at the first reading)."""
+        async with self._lock:
+            known = await asyncio.to_thread(self._scan, registry)
+            if known is None:
+                return False
+            added = sorted(set(known) - set(self._known or ()))
+            removed = sorted(set(self._known or ()) - set(known))
+            self._known = known
+            usable, loaded_now = [], []
+            for name, (_, voice) in known.items():
+                if voice is None:
                     continue
-                self._loaded.add(voice.adapter.id)
-                loaded_now.append(voice)
-            usable.append(voice)
-        registry.update_own(usable)
-        for voice in loaded_now:  # the engine holds what it just loaded
-            registry.used(voice)
-        log.info("voices directory %s: %s", self.root, ", ".join(f"{v.name} ({v.kind})" for v in usable) or "none")
-        return True
+                if voice.adapter is not None and voice.adapter.id not in self._loaded:
+                    try:
+                        await load(voice.adapter)
+                    except Exception as exc:
+                        log.warning("voice %r (%s) is not offered: %s", name, self.root / name, exc)
+                        continue
+                    self._loaded.add(voice.adapter.id)
+                    loaded_now.append(voice)
+                usable.append(voice)
+            registry.update_own(usable)
+            for voice in loaded_now:  # the engine holds what it just loaded
+                registry.used(voice)
+            log.info("voices directory %s: %d voices (%s)%s%s", self.root, len(usable), _kinds(usable),
+                     _names(" added", added), _names(" removed", removed))
+            return True
 
-    def _voice(self, name: str, files: tuple, registry: VoiceRegistry) -> Voice | None:
+    def _scan(self, registry: VoiceRegistry) -> dict[str, tuple[tuple, Voice | None]] | None:
+        """In a thread: each voice directory's reading and voice, those unchanged taken from the last scan; None if
+        nothing changed since it. Between sweeps (every SWEEP_EVERY scans) a clone already known is not looked at:
+        one made or deleted changes the directory's own modification time, which is all a scan then reads when
+        only clones are there (a clone replaced under its name by another worker shows at the next sweep)."""
+        before = self._known or {}
+        sweep = self._known is None or self._scans % SWEEP_EVERY == 0
+        self._scans += 1
+        root_mtime = self._root_mtime()
+        names = self._voice_dirs() if sweep or root_mtime != self._seen_root_mtime else list(before)
+        self._seen_root_mtime = root_mtime
+        known, changed = {}, self._known is None
+        for name in names:
+            old = before.get(name)
+            if old is not None and not sweep and old[1] is not None and old[1].kind == CLONE:
+                known[name] = old
+                continue
+            reading = self._reading(name, old[1] if old else None)
+            if old is not None and old[0] == reading:
+                known[name] = old
+                continue
+            voice = self._voice(name, reading, registry)
+            # Read as it will be next time: a clone by its directory alone, anything else with its files.
+            if voice is not None and voice.kind == CLONE:
+                reading = reading[:1]
+            elif len(reading) == 1:
+                reading = self._reading(name, voice)
+            known[name] = (reading, voice)
+            changed = True
+        return known if changed or known.keys() != before.keys() else None
+
+    def _root_mtime(self) -> int | None:
+        try:
+            return self.stat(str(self.root)).st_mtime_ns
+        except OSError:
+            return None
+
+    def _voice_dirs(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                # A leading dot: a voice being written (clones.py), or no voice at all.
+                return sorted(e.name for e in entries if e.name[0] != "." and e.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _reading(self, name: str, voice: Voice | None) -> tuple:
+        """What changes when a voice does: its directory's modification time, and, unless it is a clone, each
+        file's name, size and modification time."""
+        path = os.path.join(self.root, name)
+        try:
+            mtime = self.stat(path).st_mtime_ns
+            if voice is not None and voice.kind == CLONE:
+                return (mtime,)
+            with os.scandir(path) as entries:
+                files = [e.name for e in entries if e.is_file()]
+            return (mtime, *sorted((f, *_size_and_time(self.stat(os.path.join(path, f)))) for f in files))
+        except OSError:  # removed while read
+            return ()
+
+    def _voice(self, name: str, reading: tuple, registry: VoiceRegistry) -> Voice | None:
         """The voice in sub-directory `name`, or None (logged) if it is none."""
         path = self.root / name
         try:
@@ -336,14 +420,16 @@ class VoicesDirectory:
                 raise ValueError("not a voice name (no spaces, colons or leading dot; at most 64 characters)")
             if registry.is_checkpoints(name):
                 raise ValueError("the checkpoint has a voice of that name")
-            about = _VoiceFile.model_validate_json((path / VOICE_FILE).read_text()) if (path / VOICE_FILE).is_file() \
-                else _VoiceFile()
             if (path / CLONE_FILE).is_file():
                 return CloneFile.model_validate_json((path / CLONE_FILE).read_text()).voice(name)
+            about = _VoiceFile.model_validate_json((path / VOICE_FILE).read_text()) if (path / VOICE_FILE).is_file() \
+                else _VoiceFile()
             if (path / ADAPTER_CONFIG).is_file():
                 peft = json.loads((path / ADAPTER_CONFIG).read_text())
                 if peft.get("peft_type") != "LORA":
                     raise ValueError(f"{ADAPTER_CONFIG} says peft_type {peft.get('peft_type')!r}, not LORA")
+                # The adapter's version: its files, not its directory's time.
+                files = reading[1:] if len(reading) > 1 else self._reading(name, None)[1:]
                 if (name, files) not in self._versions:
                     self._versions[name, files] = next(_ADAPTER_IDS)
                 version = self._versions[name, files]
@@ -355,9 +441,17 @@ class VoicesDirectory:
         return None
 
 
-def _files_of(directory: Path) -> tuple:
-    """What changes when a voice's files do: each file's name, size and modification time."""
-    try:
-        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file()))
-    except OSError:  # removed while read
-        return ()
+def _size_and_time(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _kinds(voices: Sequence[Voice]) -> str:
+    counts = Counter(v.kind for v in voices)
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
+
+
+def _names(said: str, names: list[str], at_most: int = 10) -> str:
+    if not names:
+        return ""
+    more = f" and {len(names) - at_most} more" if len(names) > at_most else ""
+    return f";{said}: {', '.join(names[:at_most])}{more}"

@@ -13,6 +13,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from orpheus_common.http import TRY_AGAIN_LATER
+from orpheus_common.socket_budget import POLICY_VIOLATION, SocketBudget
 
 from .admission import CAPACITY
 from .session import ClientTooSlow, SpeechSession
@@ -81,14 +82,35 @@ async def refuse_when_full(ws: WebSocket, runtime) -> bool:
     return True
 
 
-async def client_messages(ws: WebSocket, out: SocketWriter) -> AsyncIterator[str | None]:
-    """The text of each message the client sends (None for a binary frame), until it goes."""
+async def client_messages(ws: WebSocket, out: SocketWriter, runtime,
+                          refuse: Callable[[str], Awaitable[None]]) -> AsyncIterator[str | None]:
+    """The text of each message the client sends (None for a binary frame), until it goes, within the socket's
+    budget (orpheus_common/socket_budget.py): a message over it is dropped unread, `refuse(why)` tells the client in
+    the door's protocol once an episode, the socket is not read until the budget has room again, and a flood that
+    goes on is closed with 1008."""
+    budget = SocketBudget(runtime.config.socket_limits)
     try:
         while not out.gone:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
                 return
-            yield message.get("text")
+            text = message.get("text")
+            verdict = budget.admit(len(text) if text is not None else len(message.get("bytes") or b""))
+            if verdict == SocketBudget.OK:
+                yield text
+                # Queued messages are received without a pause: a backlog must not hold the loop from other streams.
+                await asyncio.sleep(0)
+                continue
+            if verdict == SocketBudget.CLOSE:
+                runtime.metrics.socket_refused.labels("closed").inc()
+                log.warning("a client socket on %s went on over its budget (%d messages refused): closed", ws.url.path,
+                            budget.refused)
+                await out.close(POLICY_VIOLATION, "over this socket's message budget")
+                return
+            runtime.metrics.socket_refused.labels("refused").inc()
+            if verdict == SocketBudget.TELL:
+                await refuse(budget.why())
+            await asyncio.sleep(budget.refill_s())  # not read meanwhile: the flood waits in its sender's buffers
     except WebSocketDisconnect:
         return
 

@@ -21,6 +21,8 @@ import uvicorn
 from starlette.applications import Starlette
 from uvicorn.server import HANDLED_SIGNALS
 
+from .fair_websockets import FairWebSocketProtocol
+
 log = logging.getLogger(__name__)
 
 # How long every server of the stack keeps an idle client connection open: longer than clients' pools keep
@@ -32,9 +34,10 @@ IDLE_KEEP_ALIVE_S = 30
 
 def server_config(app: Starlette, host: str, port: int, grace_s: float, **settings) -> uvicorn.Config:
     """uvicorn's config as every HTTP server of the stack runs (the worker, the front pod, `megapod up`'s
-    front): in-flight streams get grace_s to finish, idle connections stay IDLE_KEEP_ALIVE_S."""
+    front): in-flight streams get grace_s to finish, idle connections stay IDLE_KEEP_ALIVE_S, WebSocket reads are
+    parsed a slice per loop turn (fair_websockets.py)."""
     return uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=int(grace_s),
-                          timeout_keep_alive=IDLE_KEEP_ALIVE_S, **settings)
+                          timeout_keep_alive=IDLE_KEEP_ALIVE_S, ws=FairWebSocketProtocol, **settings)
 
 
 class DrainingServer(uvicorn.Server):

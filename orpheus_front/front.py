@@ -40,8 +40,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, TRY_AGAIN_LATER, error_response, voices_of_header
+from orpheus_common.loop_lag import LoopLag
 from orpheus_common.playground import playground
 from orpheus_common.settings import Settings
+from orpheus_common.socket_budget import POLICY_VIOLATION, SocketBudget, SocketLimits
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ TIMEOUT = httpx.Timeout(10.0, connect=CONNECT_S, read=None, pool=POOL_WAIT_S)
 SLOW_TIMEOUT = httpx.Timeout(10.0, connect=SLOW_CONNECT_S, read=None, pool=POOL_WAIT_S)
 REFUSAL_READ_S = 2.0  # a worker's 429 body (a few hundred bytes) is read within this, else dropped
 KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
+# A relayed socket's budget: twice a worker's default, so that the worker refuses first, in the door's protocol;
+# the front only drops a flood the worker has not stopped, and closes it (orpheus_common/socket_budget.py).
+RELAY_LIMITS = SocketLimits(messages_per_s=400.0, message_burst=2000.0, bytes_per_s=512 * 1024.0,
+                            byte_burst=2048 * 1024.0, patience_s=1.0)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak", "/v1/text-to-speech/{voice_id}",
                 "/v1/text-to-speech/{voice_id}/stream", "/v1/text-to-speech/{voice_id}/stream/with-timestamps",
                 "/environments/{environment}/predict")
@@ -290,6 +296,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
     routed = Counter("megapod_front_requests", "Speech requests by worker and status", ["worker", "status"], registry=registry)
     replied = Counter("megapod_front_replies", "Speech requests by the status the client got (a worker's 429 "
                       "retried on the next worker counts once, as what came of it)", ["status"], registry=registry)
+    loop_lag = LoopLag(registry)
     pool = WorkerPool(worker_urls, on_forget=_forget_series(active, routed))
     client = httpx.AsyncClient(timeout=TIMEOUT,
                                limits=httpx.Limits(max_connections=max_streams, max_keepalive_connections=KEEPALIVE))
@@ -304,6 +311,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             watching = asyncio.create_task(discovery.run())
         await readiness.probe(pool.urls)  # /ready is true from the start
         probing = asyncio.create_task(readiness.run(pool))
+        lagging = asyncio.create_task(loop_lag.watch())
         # Its modules and app stay for the process's life: out of the collector's sight, as in the servers.
         gc.collect()
         gc.freeze()
@@ -311,6 +319,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             yield
         finally:
             probing.cancel()
+            lagging.cancel()
             if watching is not None:
                 watching.cancel()
             await client.aclose()
@@ -583,12 +592,26 @@ def _forget_series(*metrics: Gauge | Counter) -> Callable[[str], None]:
 
 
 async def _pump_both_ways(ws: WebSocket, upstream) -> None:
+    budget = SocketBudget(RELAY_LIMITS)
+    closing: list[int] = []  # the code the front closes both sides with, when it is the front's decision
+
     async def client_to_worker() -> None:
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
                 return
-            await upstream.send(message["text"] if message.get("text") is not None else message["bytes"])
+            data = message["text"] if message.get("text") is not None else message["bytes"]
+            verdict = budget.admit(len(data))
+            if verdict == SocketBudget.CLOSE:
+                log.warning("a client socket on %s went on over the relay's budget (%d messages dropped): closed",
+                            ws.url.path, budget.refused)
+                closing.append(POLICY_VIOLATION)
+                return
+            if verdict == SocketBudget.OK:
+                await upstream.send(data)
+                await asyncio.sleep(0)  # a backlog of queued messages must not hold the loop from other streams
+            else:
+                await asyncio.sleep(budget.refill_s())  # not read meanwhile: the flood waits in its sender's buffers
 
     async def worker_to_client() -> None:
         async for message in upstream:
@@ -604,7 +627,10 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        code = upstream.close_code or 1000
+        code = closing[0] if closing else upstream.close_code or 1000
+        if closing:  # the client first: the worker's close handshake must not wait on a flood it is still reading
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect, ConnectionClosed):
+                await ws.close(code, "over this socket's message budget")
         await upstream.close()
         try:
             await ws.close(code)

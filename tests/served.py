@@ -24,6 +24,7 @@ from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
 from llm_server.runtime import Runtime, codec_client_config
 from llm_server.voices import Adapter
+from orpheus_common.fair_websockets import FairWebSocketProtocol
 
 FRAME_BYTES = 2048 * 2  # s16 samples per frame
 BYTES_PER_SECOND = 24000 * 2
@@ -134,15 +135,15 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
 
 @asynccontextmanager
 async def serve_app(app, sndbuf: int = 0, **config):
-    """Any ASGI app served by uvicorn (`config`: more of its settings) on a free loopback port, in this
-    event loop: yields the port."""
+    """Any ASGI app served by uvicorn (`config`: more of its settings; WebSockets as the stack's servers take them)
+    on a free loopback port, in this event loop: yields the port."""
     sock = socket.socket()
     if sndbuf:  # inherited by accepted connections: a small send buffer, no autotuning
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     sock.setblocking(False)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, **config))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, **{"ws": FairWebSocketProtocol, **config}))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         assert not task.done(), "uvicorn did not start"

@@ -211,7 +211,7 @@ def test_alert_rules_are_well_formed_and_select_only_this_release() -> None:
     assert names == {
         "MegapodTimeToFirstAudioHigh", "MegapodRequestsRefused", "MegapodEngineQueueGrowing", "MegapodKvCacheFull",
         "MegapodCodecStepSlow", "MegapodCodecStepOverFrame", "MegapodTargetDown", "MegapodReplicasMissing",
-        "MegapodTierDown", "MegapodStreamsBehindRealTime",
+        "MegapodTierDown", "MegapodStreamsBehindRealTime", "MegapodEventLoopLagging",
     }
     for r in rules:
         assert re.fullmatch(r"([0-9]+[smhdwy])+", r["for"]), r
@@ -237,13 +237,16 @@ def test_alert_thresholds_come_from_values() -> None:
     assert expr(default, "MegapodTimeToFirstAudioHigh").endswith("> 0.5")
     assert expr(default, "MegapodCodecStepOverFrame").endswith(f"> {FRAME_S:.4f}")
     assert float(expr(default, "MegapodCodecStepSlow").rsplit(">", 1)[1]) < FRAME_S
+    assert expr(default, "MegapodEventLoopLagging").endswith(f"> {FRAME_S:.4f}")  # one frame: a gap in every stream
     assert expr(default, "MegapodReplicasMissing", "llm").endswith(f"< {H100.megapod.workers}")
     assert expr(default, "MegapodReplicasMissing", "snac").endswith(f"< {H100.megapod.replicas}")
     tuned = render(H100, MONITORING[1], "monitoring.rules.targetDownFor=3m", "llm.autoscaling.enabled=true",
                    "llm.autoscaling.minReplicas=2",
-                   values={"monitoring": {"rules": {"timeToFirstAudioP95S": 0.25, "refusedRatio": 0.2}}})
+                   values={"monitoring": {"rules": {"timeToFirstAudioP95S": 0.25, "refusedRatio": 0.2,
+                                                    "eventLoopLagP99S": 0.04}}})
     assert expr(tuned, "MegapodTimeToFirstAudioHigh").endswith("> 0.25")
     assert expr(tuned, "MegapodRequestsRefused").endswith("> 0.2")
+    assert expr(tuned, "MegapodEventLoopLagging").endswith("> 0.04")
     assert expr(tuned, "MegapodReplicasMissing", "llm").endswith("< 2")  # the autoscaler's floor
     assert {r["for"] for r in alert_rules(tuned) if r["alert"] == "MegapodTargetDown"} == {"3m"}
 
@@ -281,6 +284,24 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         """A histogram whose observations per minute fall cumulatively into these le buckets."""
         return [_series(f"{name}_bucket", {**labels, "le": le}, f"0+{n}x30") for le, n in per_minute.items()]
 
+    frame_le = repr(FRAME_S)  # the bucket bound orpheus_common/loop_lag.py exports at one frame
+
+    def loop_lag(labels, late_share: float, from_minute: int = 0):
+        """orpheus_event_loop_lag_seconds: 1200 wake-ups a minute (every 50 ms), all under 5 ms but `late_share`
+        of them, which fall between 0.12 and 0.17 s (over a frame), from minute `from_minute` on."""
+        per_minute = {"0.005": lambda m: 1200 if m < from_minute else round(1200 * (1 - late_share)),
+                      frame_le: lambda m: 1200 if m < from_minute else round(1200 * (1 - late_share)),
+                      "0.17": lambda m: 1200, "+Inf": lambda m: 1200}
+        out = []
+        for le, count in per_minute.items():
+            total, values = 0, [0]
+            for m in range(1, 31):
+                total += count(m)
+                values.append(total)
+            out.append(_series("orpheus_event_loop_lag_seconds_bucket", {**labels, "le": le},
+                               " ".join(map(str, values))))
+        return out
+
     series = [
         # 100 requests a minute at the front: 10 answered 429 (10% > 5%)
         _series("megapod_front_replies_total", {**front, "status": "200"}, "0+90x30"),
@@ -294,6 +315,9 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         _series("vllm:kv_cache_usage_perc", {**llm, "engine": "0"}, "0.97x30"),
         # w-0's engine at 0.9 x real time for its streams
         _series("megapod_worker_pace_ratio", llm, "0.9x30"),
+        # event loops: w-0 wakes 2.5% of its tasks over a frame late (p99 ~0.136 s > 0.085 s) all along; f-0 0.5%
+        # (p99 under a frame); f-1 10%, but only from minute 18: at 20m pending, not yet 5 minutes over
+        *loop_lag(llm, 0.025), *loop_lag(front, 0.005), *loop_lag({**front, "pod": "f-1"}, 0.10, from_minute=18),
         # one worker up, one down from the start; one of two fronts up; the codec tier never scraped at all
         _series("up", {**llm, "pod": "w-0"}, "1x30"),
         _series("up", {**llm, "pod": "w-1"}, "0x30"),
@@ -308,6 +332,7 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         "MegapodEngineQueueGrowing": [{"pod": "w-0"}],
         "MegapodKvCacheFull": [{"pod": "w-0"}],
         "MegapodStreamsBehindRealTime": [{"pod": "w-0"}],
+        "MegapodEventLoopLagging": [{"tier": "llm", "pod": "w-0"}],
         "MegapodTargetDown": [{**llm, "pod": "w-1"}],
         "MegapodReplicasMissing": [{"tier": "llm"}, {"tier": "snac"}, {"tier": "front"}],  # 1 of 7, 0 of 3, 1 of 2
         "MegapodTierDown": [{"tier": "snac"}],
@@ -323,7 +348,12 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
             "eval_time": at, "alertname": name,
             "exp_alerts": [{"exp_labels": {"severity": severity(name, labels), **labels}}
                            for labels in expected],
-        } for name, expected in alerts.items()],
+        } for name, expected in alerts.items()] + [{
+            # f-1's loop lagging since minute 18 has been over a frame the rule's 5 minutes by 23m
+            "eval_time": "24m", "alertname": "MegapodEventLoopLagging",
+            "exp_alerts": [{"exp_labels": {"severity": severity("MegapodEventLoopLagging", {}), "tier": t, "pod": p}}
+                           for t, p in (("llm", "w-0"), ("front", "f-1"))],
+        }],
     }]
     # promtool compares annotations too; these tests are about the expressions (check_rules parses the
     # annotations' templates)
@@ -344,6 +374,7 @@ def test_promtool_fires_each_alert_at_its_threshold(promtool, tmp_path) -> None:
         _series("vllm:num_requests_waiting", {**llm, "engine": "0"}, "0x30"),
         _series("vllm:kv_cache_usage_perc", {**llm, "engine": "0"}, "0.3x30"),
         _series("megapod_worker_pace_ratio", llm, "1.06x30"),
+        *loop_lag(llm, 0.0), *loop_lag(front, 0.005),  # a few ms; the odd late wake-up stays under p99
         *[_series("up", {**llm, "pod": f"w-{i}"}, "1x30") for i in range(H100.megapod.workers)],
         *[_series("up", {**snac, "pod": f"s-{i}"}, "1x30") for i in range(H100.megapod.replicas)],
         *[_series("up", {**front, "pod": f"f-{i}"}, "1x30") for i in range(2)],
@@ -491,11 +522,17 @@ def test_dashboard_covers_what_an_operator_watches() -> None:
         "orpheus_time_to_first_audible_audio_seconds_bucket", "orpheus_audio_seconds_total", "orpheus_requests_total",
         "snac_batch_size_bucket", "snac_decode_step_seconds_bucket", "snac_decoded_frames_total",
         "snac_emitted_frames_total", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "up",
+        "orpheus_event_loop_lag_seconds_bucket", "orpheus_socket_budget_refusals_total",
     ):
         assert needed in names, needed
-    step = next(p for p in panels(dashboard()) if p["title"] == "Decode step time")
-    frame = [s["value"] for s in step["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["color"] == "red"]
-    assert frame == [round(FRAME_S, 4)]
+    for title in ("Decode step time", "Event-loop lag"):
+        panel = next(p for p in panels(dashboard()) if p["title"] == title)
+        frame = [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["color"] == "red"]
+        assert frame == [round(FRAME_S, 4)], title
+    # the loop lag per pod: the workers' and the front's loops each on their own line
+    lag = next(p for p in panels(dashboard()) if p["title"] == "Event-loop lag")
+    assert [(t["expr"].split(",")[0], "by (le, pod)" in t["expr"]) for t in lag["targets"]] == [
+        ("histogram_quantile(0.5", True), ("histogram_quantile(0.99", True)]
 
 
 def test_readme_lists_every_panel_and_alert() -> None:
@@ -568,10 +605,24 @@ async def _speak_and_be_refused(stack: dict) -> tuple[int, int]:
     return len(first.content), second.status_code
 
 
+async def _flood_a_socket(port: int, messages: int = 3000) -> None:
+    """More messages at once than one socket's budget lets through (llm_server.config socket_messages_per_s:
+    a burst of 5 seconds' worth): the worker refuses the rest unread (orpheus_socket_budget_refusals_total) and
+    says so once. Each is a cancel of a context that does not exist: nothing to do for those let in."""
+    async with connect(f"ws://127.0.0.1:{port}/tts/websocket") as ws:
+        for _ in range(messages):
+            await ws.send(json.dumps({"context_id": "flood", "cancel": True}))
+        while True:  # until the refusal: every message before it was counted
+            reply = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            if reply.get("status_code") == 429:
+                break
+
+
 @pytest.fixture(scope="module")
 def exported(stack) -> dict[str, Scrape]:
     received, refused = asyncio.run(_speak_and_be_refused(stack))
     assert received > 0 and refused == 429
+    asyncio.run(_flood_a_socket(stack["llm"][0].port))  # so the socket budget's counter has a sample
     return {"worker": Scrape(*(worker.metrics_port for worker in stack["llm"])),
             "codec": Scrape(*(replica.metrics_port for replica in stack["snac"])), "front": Scrape(stack["front_port"])}
 
@@ -588,6 +639,11 @@ def test_speech_gives_the_histograms_samples(exported) -> None:
     assert "429" in front.labels["megapod_front_requests_total"]["status"]  # the front saw the refusal too
     assert "429" in front.labels["megapod_front_replies_total"]["status"]  # ...and answered the client with it
     assert "megapod_front_active_streams" in front.labels
+    # both servers' event loops are watched (every 50 ms), and the flood was refused
+    for server in (worker, front):
+        assert server.totals["orpheus_event_loop_lag_seconds_count"] >= 1
+        assert server.totals["orpheus_event_loop_lag_max_seconds"] >= 0
+    assert "refused" in worker.labels["orpheus_socket_budget_refusals_total"]["action"]
     # each tier exports its own: the PodMonitor's two ports do not overlap
     assert not any(name.startswith(("vllm:", "orpheus_")) for name in codec.labels)
     assert not any(name.startswith("snac_") for name in worker.labels)

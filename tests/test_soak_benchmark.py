@@ -9,6 +9,7 @@ LocalStack as the session's."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -43,5 +44,13 @@ def test_a_short_soak_with_doors_and_overload_passes_and_writes_its_figures(mega
     for flooded in [run["flood"] for run in runs if run["flooded"]]:
         assert flooded["requests"] > 0 and set(flooded["statuses"]) <= {"429", "200"} and flooded["statuses"]["429"] > 0
         assert flooded["health_latency_s"]["p50"] is not None
+    # the servers' own event-loop lag over the soak (orpheus_event_loop_lag_seconds) and the worst since start
+    for name in ("worker", "front"):
+        assert result[f"{name}_loop_lag_observed"] > 0, name  # every 50 ms of the soak
+        for field in ("p50", "p99", "max"):
+            value = result[f"{name}_loop_lag_{field}_ms"]
+            assert isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, (name, field, value)
+        assert result[f"{name}_loop_lag_p50_ms"] <= result[f"{name}_loop_lag_p99_ms"]
+    assert "loop lag  worker: p50/p99" in done.stdout
     end = result["end_state"]  # after the soak let its held slots go
     assert end["active_streams"] == 0 and end["engine_unfinished"] == 0 and end["health"]["ok"]
