@@ -593,7 +593,7 @@ def _forget_series(*metrics: Gauge | Counter) -> Callable[[str], None]:
 
 async def _pump_both_ways(ws: WebSocket, upstream) -> None:
     budget = SocketBudget(RELAY_LIMITS)
-    closing: list[int] = []  # the code the front closes both sides with, when it is the front's decision
+    over_budget = False  # the front's decision to close: 1008 to both sides
 
     async def client_to_worker() -> None:
         while True:
@@ -605,7 +605,8 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
             if verdict == SocketBudget.CLOSE:
                 log.warning("a client socket on %s went on over the relay's budget (%d messages dropped): closed",
                             ws.url.path, budget.refused)
-                closing.append(POLICY_VIOLATION)
+                nonlocal over_budget
+                over_budget = True
                 return
             if verdict == SocketBudget.OK:
                 await upstream.send(data)
@@ -627,15 +628,11 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        code = closing[0] if closing else upstream.close_code or 1000
-        if closing:  # the client first: the worker's close handshake must not wait on a flood it is still reading
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect, ConnectionClosed):
-                await ws.close(code, "over this socket's message budget")
-        await upstream.close()
-        try:
+        code = POLICY_VIOLATION if over_budget else upstream.close_code or 1000
+        # The client first: the worker's close handshake must not wait on a flood the front is still reading.
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect, ConnectionClosed):
             await ws.close(code)
-        except (RuntimeError, WebSocketDisconnect, ConnectionClosed):
-            pass
+        await upstream.close()
 
 
 def serve_front(config: FrontConfig) -> None:
