@@ -1,6 +1,6 @@
 """A clone voice's time to its first audio frame, first request against later ones: what vLLM's prefix cache saves
 when the zero-shot prompt's reference turn is already cached. The worker's VllmEngine on this CPU (tiny checkpoint),
-prompts from llm_server.prompt.clone_prompt_ids with a reference of --reference-s seconds of frames (random codes:
+prompts from llm_server.speech.prompt.clone_prompt_ids with a reference of --reference-s seconds of frames (random codes:
 the engine's work depends on their count, not their values), each request with other text; the same sequence on an
 engine with prefix caching off is the reference. One run, JSON out.
 
@@ -30,8 +30,8 @@ from provenance import record  # noqa: E402
 from codec_contract.audio import CODES_PER_FRAME, FRAME_SECONDS  # noqa: E402
 from llm_server.config import LlmServerConfig  # noqa: E402
 from llm_server.engine import Sampling  # noqa: E402
-from llm_server.model_source import resolve_model  # noqa: E402
-from llm_server.prompt import clone_prompt_ids  # noqa: E402
+from llm_server.engine.model_source import resolve_model  # noqa: E402
+from llm_server.speech.prompt import clone_prompt_ids  # noqa: E402
 
 TRANSCRIPT = "This is what the reference recording says, word for word, as its speaker said it."
 TEXTS = ("Hello there, how can I help?", "Sure, one moment please.", "Your order ships tomorrow.",
@@ -55,7 +55,7 @@ async def measure(prefix_caching: bool, voices: int, reference_s: float, cache_d
     """For each of `voices` clone voices (a reference of its own), its first request and the later ones."""
     from transformers import AutoTokenizer
 
-    from llm_server.vllm_engine import VllmEngine
+    from llm_server.engine.vllm import VllmEngine
 
     model_dir = resolve_model("tiny", cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,11 +1,11 @@
 """The worker's vLLM engine on this CPU with the tiny model: milliseconds per decode step, in each dtype.
 
-The tiny checkpoint (`llm_server.model_source`) is what `make serve`, `megapod up` on CPU and every test
+The tiny checkpoint (`llm_server.engine.model_source`) is what `make serve`, `megapod up` on CPU and every test
 stack run, so its step time is the pace of every stream they speak. It was bfloat16 (the real model's
 dtype); on a CPU without AVX-512 BF16 vLLM's bfloat16 matmul takes a slow path, and the 156,940-row head
 was nearly half of a step's work. The CPU backend also ran the model in a process of its own (the `mp`
 executor), whose queue from EngineCore spins; the worker now runs it inside EngineCore (`uni`,
-`llm_server.vllm_engine._cpu_environment`). This times the same streams through the doctor's engine
+`llm_server.engine.vllm._cpu_environment`). This times the same streams through the doctor's engine
 check (`llm_server.selfcheck`: the worker's VllmEngine, the frame constraint's CPU path) once per dtype
 and executor, in one run, and writes JSON.
 

@@ -206,7 +206,7 @@ async def lora_phases(args: argparse.Namespace, work_dir: Path) -> dict[str, dic
     from lora_adapters import make_adapter
 
     from llm_server.config import LlmServerConfig
-    from llm_server.model_source import resolve_model
+    from llm_server.engine.model_source import resolve_model
 
     base = resolve_model("tiny", LlmServerConfig().cache_dir)
     made = work_dir / "adapters"

@@ -2,7 +2,7 @@
 streams with LoRA off (the reference), LoRA on and unused, every stream in one LoRA voice, and the streams
 spread over four LoRA voices, in one run; JSON out.
 
-LoRA is on in a worker only when its voices directory holds an adapter (llm_server/vllm_engine.py), because
+LoRA is on in a worker only when its voices directory holds an adapter (llm_server/engine/vllm.py), because
 enabling it costs every step whether a request uses an adapter or not; this measures how much. The adapters
 are random rank-16 PEFT adapters of the tiny checkpoint over every linear layer (benchmarks/lora_adapters.py).
 
@@ -32,7 +32,7 @@ from provenance import record  # noqa: E402
 
 from llm_server.config import LlmServerConfig  # noqa: E402
 from llm_server.engine import Sampling  # noqa: E402
-from llm_server.model_source import resolve_model  # noqa: E402
+from llm_server.engine.model_source import resolve_model  # noqa: E402
 from llm_server.voices import Adapter  # noqa: E402
 
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]  # <human> "tara: ..." <ai> <speech>
@@ -57,7 +57,7 @@ async def tokens_per_s(engine, adapters: list[Adapter | None], tokens: int, run:
 async def measure(cases: dict[str, list[Adapter | None]], lora: bool, streams: int, tokens: int, repeats: int,
                   cache_dir: str) -> dict[str, dict]:
     """Each case on one engine (LoRA on or off), `repeats` times in turn; the median and every reading."""
-    from llm_server.vllm_engine import VllmEngine
+    from llm_server.engine.vllm import VllmEngine
 
     config = LlmServerConfig(cache_dir=cache_dir, device="cpu", max_num_seqs=max(16, streams), max_model_len=1024,
                              enable_lora=lora, max_loras=VOICES, max_lora_rank=RANK)

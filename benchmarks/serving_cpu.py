@@ -54,7 +54,7 @@ from concurrency_bench.stack import cpu_seconds, gauge
 from provenance import record
 
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
-from llm_server.audio_tokens import END_OF_SPEECH, STREAM_INTERVAL, code_to_token
+from llm_server.engine.audio_tokens import END_OF_SPEECH, STREAM_INTERVAL, code_to_token
 from llm_server.capacity import REALTIME_TOKENS_PER_S
 from megapod.launcher import Child, free_block, free_ports
 from snac_server.session import StreamStep
@@ -207,9 +207,9 @@ def run_worker(port: int, snac: str, curve: StepCurve, frames: int, stream_inter
     from transformers import AutoTokenizer
 
     from llm_server.api import create_app
-    from llm_server.codec_client import CodecClient
+    from llm_server.speech.codec_client import CodecClient
     from llm_server.config import GPU_TARGET_PACE, LlmServerConfig
-    from llm_server.model_source import resolve_model
+    from llm_server.engine.model_source import resolve_model
     from llm_server.runtime import Runtime, codec_client_config
 
     # measured as on a GPU (the double's pace is a GPU's): not the slow motion a CPU device gets by default
@@ -462,8 +462,8 @@ def versus_vllm(args: argparse.Namespace, logs: Path) -> dict:
     from transformers import AutoTokenizer
 
     from llm_server.config import LlmServerConfig
-    from llm_server.model_source import resolve_model
-    from llm_server.prompt import prompt_ids, token_budget
+    from llm_server.engine.model_source import resolve_model
+    from llm_server.speech.prompt import prompt_ids, token_budget
 
     model_dir = resolve_model("tiny", LlmServerConfig().cache_dir)
     engine = {"--max-model-len": "1024", "--max-num-seqs": "64"}  # and eager, for both servers
@@ -492,7 +492,7 @@ def versus_vllm(args: argparse.Namespace, logs: Path) -> dict:
     vllm = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--enforce-eager",
                   *engine_flags, "--port", str(base + 3), "--host", "127.0.0.1", "--served-model-name", "tiny"],
                  logs / "vllm-serve.log", f"http://127.0.0.1:{base + 3}/health", script=False,
-                 # llm-server's KV cache on CPU (llm_server/vllm_engine.py); left unset, vLLM's CPU
+                 # llm-server's KV cache on CPU (llm_server/engine/vllm.py); left unset, vLLM's CPU
                  # backend takes nearly all free memory and its start-up timed out here.
                  env={"VLLM_CPU_KVCACHE_SPACE": str(int(LlmServerConfig().cpu_kv_cache_gb))})
     try:

@@ -21,12 +21,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, error_response, voices_header
 from orpheus_common.playground import playground
 
-from . import baseten, cartesia, clones, deepgram, elevenlabs, openai_speech, request_log, together
-from .auth import ApiKeyMiddleware, ApiKeys
-from .body_limit import BodyLimitMiddleware
+from . import clones
 from .config import LlmServerConfig
-from .errors import ApiError
-from .model_source import TINY
+from .doors import baseten, cartesia, deepgram, elevenlabs, openai, together
+from .edge import request_ids
+from .edge.auth import ApiKeyMiddleware, ApiKeys
+from .edge.body_limit import BodyLimitMiddleware
+from .edge.errors import ApiError
+from .engine.model_source import TINY
 from .runtime import Runtime
 
 
@@ -59,7 +61,7 @@ class SpeechApp(FastAPI):
     response, a 500 included, carries X-Request-Id."""
 
     def build_middleware_stack(self) -> ASGIApp:
-        return request_log.RequestIdMiddleware(super().build_middleware_stack())
+        return request_ids.RequestIdMiddleware(super().build_middleware_stack())
 
 
 def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastAPI:
@@ -98,7 +100,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     if config.api_keys_file:
         keys = ApiKeys(config.api_keys_file)
         app.add_middleware(ApiKeyMiddleware, keys=keys, on_refused=lambda: app.state.runtime.metrics.unauthorized.inc())
-    request_log.quiet_deliberate_aborts()
+    request_ids.quiet_deliberate_aborts()
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -117,7 +119,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for routes in (openai_speech, cartesia, deepgram, elevenlabs, baseten, together, clones):
+    for routes in (openai, cartesia, deepgram, elevenlabs, baseten, together, clones):
         app.include_router(routes.router)
 
     @app.get("/v1/voices")

@@ -31,11 +31,11 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 
 from codec_contract.audio import SAMPLE_RATE
 
-from .codec_client import CodecError
-from .errors import ApiError
-from .prompt import clone_prompt_ids
+from .edge.errors import ApiError
 from .reference_audio import ReferenceRefused, UploadsBusy
-from .speech import MIN_SPEECH_TOKENS
+from .speech.codec_client import CodecError
+from .speech.prompt import clone_prompt_ids
+from .speech.stream import MIN_SPEECH_TOKENS
 from .voices import CLONE, CLONE_FILE, VOICE_NAME, CloneFile
 
 log = logging.getLogger(__name__)

@@ -135,7 +135,7 @@ class LlmServerConfig(Settings):
     enable_prefix_caching: bool = True
     quantization: str = ""  # e.g. fp8_per_tensor (on-the-fly FP8 of a bf16 checkpoint)
     kv_cache_dtype: str = "auto"
-    # GPU attention (llm_server/attention.py): a vLLM backend name (FLASHINFER, FLASH_ATTN, ...) or auto,
+    # GPU attention (llm_server/engine/attention.py): a vLLM backend name (FLASHINFER, FLASH_ATTN, ...) or auto,
     # and FlashInfer's TRT-LLM kernels (XQA decode on Hopper): auto | on | off.
     attention_backend: str = "auto"
     trtllm_attention: Literal["auto", "on", "off"] = "auto"

@@ -12,14 +12,14 @@ from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
 from .capacity import CapacityLimit, PaceMeter
-from .codec_client import CodecClient, CodecClientConfig
 from .config import LlmServerConfig
 from .engine import Engine
+from .engine.model_source import resolve_model
 from .metrics import LlmMetrics
-from .model_source import resolve_model
-from .prompt import Tokenizer
 from .reference_audio import ReferenceBounds, ReferenceDecoder
-from .speech import SpeechPipeline
+from .speech.codec_client import CodecClient, CodecClientConfig
+from .speech.prompt import Tokenizer
+from .speech.stream import SpeechPipeline
 from .voices import VoiceRegistry, VoicesDirectory
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,10 @@ def codec_in_trouble(failovers: int, deliveries: int, late: int, late_share: flo
 def build_engine(config: LlmServerConfig, model_dir: str) -> Engine:
     """The configured backend over a resolved model directory (or Hub id)."""
     if config.backend == "trtllm":
-        from .trtllm_engine import TrtLlmEngine
+        from .engine.trtllm import TrtLlmEngine
 
         return TrtLlmEngine(config, model_dir)
-    from .vllm_engine import VllmEngine
+    from .engine.vllm import VllmEngine
 
     return VllmEngine(config, model_dir)
 

@@ -27,13 +27,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from .audio_tokens import frame_violations
 from .capacity import CapacityLimit, measured_curve, settled_limit
 from .config import LlmServerConfig
 from .engine import Sampling
-from .model_source import ORPHEUS_3B_CONFIG, resolve_model
-from .prompt import TOKENS_PER_SECOND, prompt_ids
-from .vllm_engine import VllmEngine
+from .engine.audio_tokens import frame_violations
+from .engine.model_source import ORPHEUS_3B_CONFIG, resolve_model
+from .engine.vllm import VllmEngine
+from .speech.prompt import TOKENS_PER_SECOND, prompt_ids
 
 STEP_BUDGET_MS = 1000.0 / TOKENS_PER_SECOND  # one token per step per stream keeps a stream real time
 TEXT = "The quick brown fox jumps over the lazy dog, and the doctor listens to every frame."

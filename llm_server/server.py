@@ -10,10 +10,10 @@ import sys
 
 from orpheus_common.draining import DrainingServer, server_config
 
-from . import request_log
 from .api import create_app
-from .auth import ApiKeysError
 from .config import LlmServerConfig
+from .edge import request_ids
+from .edge.auth import ApiKeysError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def run(config: LlmServerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: `llm-server --port ... --model ... --snac ADDR[,ADDR...]`."""
-    request_log.install()
+    request_ids.install()
     config = LlmServerConfig.from_cli(argv)
     try:
         run(config)

@@ -56,7 +56,7 @@ class MegaPodConfig(Settings):
     llm_gpus: str = "auto"  # one GPU index per worker, e.g. 0,1,2; auto: worker i on GPU i
     snac_gpu: str = "auto"  # the codec replicas' GPU; auto: the one after the last worker's
     llm_gpu_memory_utilization: Annotated[float, Sets(llm="gpu_memory_utilization")] = Field(0.9, gt=0, le=1)  # each worker's vLLM share of its GPU
-    attention_backend: Annotated[str, Sets(llm="attention_backend")] = "auto"  # vLLM's attention backend on GPUs (llm_server/attention.py)
+    attention_backend: Annotated[str, Sets(llm="attention_backend")] = "auto"  # vLLM's attention backend on GPUs (llm_server/engine/attention.py)
     trtllm_attention: Annotated[Literal["auto", "on", "off"], Sets(llm="trtllm_attention")] = "auto"  # FlashInfer's TRT-LLM kernels
     # Limits and policies
     # Each worker admits the streams its engine keeps in real time (llm_server/capacity.py), measured; these

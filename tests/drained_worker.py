@@ -12,7 +12,7 @@ import uvicorn
 from served import CharTokenizerDouble, ScriptedEngineDouble
 
 from llm_server.api import create_app
-from llm_server.codec_client import CodecClient
+from llm_server.speech.codec_client import CodecClient
 from llm_server.config import LlmServerConfig
 from llm_server.runtime import Runtime, codec_client_config
 from orpheus_common.draining import DrainingServer

@@ -48,7 +48,7 @@ from vllm.config.quantization import _ONLINE_SHORTHANDS  # noqa: E402
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS  # noqa: E402
 
 from llm_server.config import LlmServerConfig  # noqa: E402
-from llm_server.vllm_engine import engine_args  # noqa: E402
+from llm_server.engine.vllm import engine_args  # noqa: E402
 
 
 def resolve(settings: dict, model_dir: str) -> dict:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from llm_server.attention import AttentionSettingError, attention_config
+from llm_server.engine.attention import AttentionSettingError, attention_config
 from llm_server.config import LlmServerConfig
-from llm_server.model_source import resolve_model
-from llm_server.vllm_engine import engine_args
+from llm_server.engine.model_source import resolve_model
+from llm_server.engine.vllm import engine_args
 from processes import TINY_CACHE
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from llm_server.audio_tokens import (
+from llm_server.engine.audio_tokens import (
     END_OF_SPEECH,
     FrameAssembler,
     InvalidAudioToken,

@@ -1,4 +1,4 @@
-"""The Baseten-compatible door (llm_server/baseten.py, issue 27): the metadata message, text frames and __END__ that
+"""The Baseten-compatible door (llm_server/doors/baseten.py, issue 27): the metadata message, text frames and __END__ that
 LiveKit's baseten.TTS sends, raw PCM back and the close; a client closing the socket is a barge-in; hostile
 input gets the protocol's error and close with nothing held; the HTTP predict route; keys as Api-Key."""
 
@@ -12,7 +12,7 @@ from served import FRAME_BYTES, NOTHING_HELD, CharTokenizerDouble, ScriptedEngin
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from llm_server.prompt import prompt_ids
+from llm_server.speech.prompt import prompt_ids
 
 FRAMES = 4  # the engine double's frames per sentence
 PATH = "/environments/production/websocket"

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, serving, settled
 
-from llm_server.audio_tokens import (AUDIO_TOKEN_BASE, BEGIN_OF_TEXT, END_OF_AI, END_OF_HUMAN, END_OF_SPEECH,
+from llm_server.engine.audio_tokens import (AUDIO_TOKEN_BASE, BEGIN_OF_TEXT, END_OF_AI, END_OF_HUMAN, END_OF_SPEECH,
                                      END_OF_TURN, START_OF_AI, START_OF_HUMAN, START_OF_SPEECH)
 
 TRANSCRIPT = "The quick brown fox jumps over the lazy dog."

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from conftest import random_frames, server_config
-from llm_server.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
+from llm_server.speech.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.runtime import codec_client_config
 from megapod.launcher import free_ports

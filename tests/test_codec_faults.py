@@ -15,7 +15,7 @@ import pytest
 from conftest import random_frames
 from processes import hang, scrape, snac_process, unhang, wait_metric_zero
 
-from llm_server.codec_client import CodecClient, CodecClientConfig
+from llm_server.speech.codec_client import CodecClient, CodecClientConfig
 from codec_contract.api import codec_pb2
 
 # Long enough that a healthy replica on a busy 2-core CI machine (about 1 s per chunk with
@@ -105,7 +105,7 @@ async def test_an_idle_stream_is_not_failed_over(replicas):
 async def test_a_hung_replica_is_failed_over_then_avoided(replicas, caplog):
     """SIGSTOP the replica serving a stream: it resumes elsewhere after the stall timeout, with the
     same audio; once keepalive has dropped the hung replica, new streams never go to it."""
-    caplog.set_level(logging.WARNING, logger="llm_server.codec_client")
+    caplog.set_level(logging.WARNING, logger="llm_server.speech.codec_client")
     frames = random_frames(40, seed=42)
     client = _client(replicas)
     hung = []

@@ -20,7 +20,7 @@ import pytest_asyncio
 from conftest import random_frames, server_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llm_server.codec_client import CodecClient, CodecClientConfig
+from llm_server.speech.codec_client import CodecClient, CodecClientConfig
 from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import channel
 from codec_contract.client import SERVICE

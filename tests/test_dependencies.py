@@ -15,7 +15,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCT = ("codec_contract", "orpheus_common", "orpheus_front", "snac_server", "llm_server", "megapod")
-# Imported only by an optional backend, behind a clear error when missing (llm_server/trtllm_engine.py).
+# Imported only by an optional backend, behind a clear error when missing (llm_server/engine/trtllm.py).
 OPTIONAL = {"tensorrt_llm": "--backend trtllm: NVIDIA's wheel, installed on the GPU hosts that choose it"}
 
 
@@ -70,7 +70,7 @@ def test_the_walk_sees_imports_inside_functions():
     """The lazy imports (the doctor's, the model source's) count: a walk of top-level imports alone would
     have missed transformers, which llm_server imports only when it builds the tiny model."""
     found = imported_packages()
-    assert "llm_server/model_source.py" in found["transformers"] and "orpheus_front/front.py" in found["anyio"]
+    assert "llm_server/engine/model_source.py" in found["transformers"] and "orpheus_front/front.py" in found["anyio"]
 
 
 # What each part may import of the project: the shared packages, never a tier beside it or `megapod` above.

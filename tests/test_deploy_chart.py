@@ -32,11 +32,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llm_server.api import create_app
-from llm_server.codec_client import channel_target
+from llm_server.speech.codec_client import channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.metrics import LlmMetrics
-from llm_server.model_source import ORPHEUS_3B_CONFIG, resolve_model
-from llm_server.prompt import prompt_ids
+from llm_server.engine.model_source import ORPHEUS_3B_CONFIG, resolve_model
+from llm_server.speech.prompt import prompt_ids
 from megapod.cluster import CPU, H100, H100_FP8, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
 from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (
@@ -337,7 +337,7 @@ def test_pods_run_the_same_servers_as_megapod_up(render: str) -> None:
 @pytest.mark.parametrize("render", GPU_RENDERS)
 def test_h100_workers_run_trtllm_decode_attention(render: str) -> None:
     """The H100 profile asks vLLM for FlashInfer's TRT-LLM kernels (XQA decode on Hopper); the worker
-    parses these variables into the settings llm_server.attention checks."""
+    parses these variables into the settings llm_server.engine.attention checks."""
     variables = env(llm(RENDERS[render]()))
     assert (variables["ORPHEUS_ATTENTION_BACKEND"], variables["ORPHEUS_TRTLLM_ATTENTION"]) == ("FLASHINFER", "on")
 

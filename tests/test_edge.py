@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from llm_server.api import create_app
-from llm_server.auth import ApiKeysError
+from llm_server.edge.auth import ApiKeysError
 from llm_server.config import LlmServerConfig
-from llm_server.request_log import RequestIdFilter
+from llm_server.edge.request_ids import RequestIdFilter
 from megapod.launcher import free_ports
 
 from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline, body, pending_tasks, serving, settled
@@ -330,7 +330,7 @@ async def test_api_keys_per_key_caps_rotation_and_a_broken_reload(snac_server, t
             _write_keys(keys, f"alice {ALICE_NEW}\nthis is not a key line\n", stamp)
             for _ in range(3):
                 assert (await client.get("/v1/models", headers=_auth(ALICE_NEW))).status_code == 200
-            errors = [r for r in caplog.records if r.name == "llm_server.auth" and r.levelno == logging.ERROR]
+            errors = [r for r in caplog.records if r.name == "llm_server.edge.auth" and r.levelno == logging.ERROR]
             assert len(errors) == 1 and "line 1" in errors[0].getMessage()
         assert served.runtime.metrics.registry.get_sample_value("orpheus_unauthorized_requests_total") >= 5
         assert served.runtime.metrics.registry.get_sample_value(
@@ -388,7 +388,7 @@ async def test_request_ids_on_every_response_and_log_line_and_no_input_text(snac
                 assert busy.status_code == 429 and busy.headers["x-request-id"] == "busy-1"
                 await held.aread()
     mine = [r for r in caplog.records if getattr(r, "request_id", None) == "call-42.a_B"]
-    assert any(r.name == "llm_server.openai_speech" and "speech:" in r.getMessage() for r in mine)
+    assert any(r.name == "llm_server.doors.openai" and "speech:" in r.getMessage() for r in mine)
     assert any(r.name == "uvicorn.access" for r in mine), "the server's access line carries the id too"
     assert SECRET_TEXT not in caplog.text and "Zebra" not in caplog.text
 

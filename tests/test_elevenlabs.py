@@ -1,4 +1,4 @@
-"""The ElevenLabs-compatible door (llm_server/elevenlabs.py) on the real app, Runtime and codec tier, the
+"""The ElevenLabs-compatible door (llm_server/doors/elevenlabs.py) on the real app, Runtime and codec tier, the
 engine a test double: contexts, flush and close_context as Pipecat's and LiveKit's clients send them,
 barge-in releasing everything, the single-context socket, the HTTP streams, formats, keys and hostile
 input answered in the protocol's own shape (issue 27). The clients themselves: client_tests/."""
@@ -15,9 +15,9 @@ from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, se
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from llm_server.elevenlabs import Refusal, char_alignment, output_of
-from llm_server.session import Words
-from llm_server.ws_util import MAX_CONTEXTS
+from llm_server.doors.elevenlabs import Refusal, char_alignment, output_of
+from llm_server.speech.session import Words
+from llm_server.doors.sockets import MAX_CONTEXTS
 
 FRAMES = 4  # the engine double's frames per sentence
 MULTI = "/v1/text-to-speech/tara/multi-stream-input?model_id=eleven_flash_v2_5&output_format=pcm_24000"

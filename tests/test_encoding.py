@@ -12,7 +12,7 @@ import av
 import numpy as np
 import pytest
 
-from llm_server.encoding import AudioOutput, SilenceTrim, StreamEncoder, UnsupportedOutput, first_audible, sse_delta, sse_done
+from llm_server.speech.encoding import AudioOutput, SilenceTrim, StreamEncoder, UnsupportedOutput, first_audible, sse_delta, sse_done
 
 CHUNKS, CHUNK = 10, 2048
 SINE = (np.sin(np.arange(CHUNKS * CHUNK) * 2 * np.pi * 440 / 24000) * 12000).astype("<i2")

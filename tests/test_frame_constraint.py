@@ -12,10 +12,10 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 
-from llm_server.audio_tokens import CODES_PER_FRAME, END_OF_SPEECH, slot_range
-from llm_server.frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2, _inverse_cdf, _SlotSampler, _top_p
-from llm_server.slot_mask import blocked_ids
-from llm_server.trtllm_engine import FrameMask
+from llm_server.engine.audio_tokens import CODES_PER_FRAME, END_OF_SPEECH, slot_range
+from llm_server.engine.frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2, _inverse_cdf, _SlotSampler, _top_p
+from llm_server.engine.slot_mask import blocked_ids
+from llm_server.engine.trtllm import FrameMask
 from orpheus_common.sync_detector import host_syncs
 
 VOCAB = 156_940

@@ -23,7 +23,7 @@ from hostile_audio import MAX_REFERENCE_BYTES, corpus, missing, wav_file
 from hostile_audio import packets as packet_count
 from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, body, serving, settled
 
-from llm_server.audio_tokens import END_OF_SPEECH
+from llm_server.engine.audio_tokens import END_OF_SPEECH
 
 TRANSCRIPT = "The quick brown fox jumps over the lazy dog."
 ANSWERED_WITHIN_S = 20.0  # the decoder's deadline is 10 s; a refusal by the bounds takes well under a second

@@ -13,8 +13,8 @@ import socket
 
 import httpx
 
-from llm_server.encoding import SAMPLE_RATES
-from llm_server.openai_speech import FORMATS, STREAM_FORMATS
+from llm_server.speech.encoding import SAMPLE_RATES
+from llm_server.doors.openai import FORMATS, STREAM_FORMATS
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings

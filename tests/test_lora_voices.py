@@ -18,13 +18,13 @@ from lora_adapters import make_adapter
 from processes import TINY_CACHE
 from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, serving, settled
 
-from llm_server.audio_tokens import frame_violations
+from llm_server.engine.audio_tokens import frame_violations
 from llm_server.config import LlmServerConfig
 from llm_server.engine import Sampling
-from llm_server.prompt import clone_prompt_ids, prompt_ids
-from llm_server.model_source import resolve_model
+from llm_server.speech.prompt import clone_prompt_ids, prompt_ids
+from llm_server.engine.model_source import resolve_model
 from llm_server.voices import CHECKPOINT, LORA, VoiceRegistry, VoicesDirectory
-from llm_server.vllm_engine import VllmEngine, lora_enabled
+from llm_server.engine.vllm import VllmEngine, lora_enabled
 
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
 SAMPLING = Sampling(max_tokens=7 * 12 + 1, seed=5)
@@ -238,7 +238,7 @@ def test_the_cpu_expand_op_leaves_rows_without_an_adapter_as_they_were_where_vll
     import torch
     from vllm.lora.ops.torch_ops import lora_ops
 
-    from llm_server.vllm_cpu_lora import skip_no_lora_rows
+    from llm_server.engine.cpu_lora import skip_no_lora_rows
 
     torch.manual_seed(0)
     inputs, weights = torch.randn(3, 4), torch.randn(2, 1, 5, 4)  # 3 tokens of rank 4; 2 adapter slots, 5 outputs

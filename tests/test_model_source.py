@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from llm_server.model_source import TINY_VERSION, generate_tiny
+from llm_server.engine.model_source import TINY_VERSION, generate_tiny
 
 
 def test_a_second_writer_of_the_tiny_checkpoint_keeps_the_first(tmp_path):
@@ -34,7 +34,7 @@ def test_the_tiny_checkpoint_runs_in_float32_unless_asked_otherwise(monkeypatch)
     """vLLM's `auto` downcasts a float32 checkpoint to bfloat16 (its log: "Downcasting torch.float32 to
     torch.bfloat16"), the CPU's slow matmul; the tiny one asks for float32, other models keep `auto`."""
     from llm_server.config import LlmServerConfig
-    from llm_server.vllm_engine import engine_args
+    from llm_server.engine.vllm import engine_args
 
     _unset(monkeypatch, *CPU_ENVIRONMENT)
     assert engine_args(LlmServerConfig(model="tiny", device="cpu"), "/models/tiny").dtype == "float32"
@@ -47,7 +47,7 @@ def test_cpu_engines_leave_thread_placement_to_the_os_unless_the_operator_binds(
     each of them); unset, the worker gets no binding, one thread and no process of its own (its queue
     spins); an operator's binding stays, with the process vLLM binds it in."""
     from llm_server.config import LlmServerConfig
-    from llm_server.vllm_engine import engine_args
+    from llm_server.engine.vllm import engine_args
 
     placement = CPU_ENVIRONMENT[1:]
     _unset(monkeypatch, *CPU_ENVIRONMENT)

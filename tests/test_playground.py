@@ -14,7 +14,7 @@ import httpx
 import pytest
 from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, serving, settled
 
-from llm_server.prompt import prompt_ids
+from llm_server.speech.prompt import prompt_ids
 from orpheus_common.playground import PAGE
 from orpheus_front.front import create_front_app
 

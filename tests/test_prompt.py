@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llm_server.prompt import TOKENS_PER_SECOND, TextSegmenter, split_sentences, token_budget
+from llm_server.speech.prompt import TOKENS_PER_SECOND, TextSegmenter, split_sentences, token_budget
 
 
 def test_sentences_split_and_short_ones_join():

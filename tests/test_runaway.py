@@ -1,4 +1,4 @@
-"""Runaway generation (llm_server/runaway.py): a segment whose output loops ends at the frame that
+"""Runaway generation (llm_server/speech/runaway.py): a segment whose output loops ends at the frame that
 completes the loop, its audio so far delivered, counted and logged; speech never loops by chance; a
 segment that spends its budget without ending is counted too."""
 
@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from llm_server.prompt import token_budget
-from llm_server.runaway import MAX_PERIOD, WINDOW, LoopDetector
+from llm_server.speech.prompt import token_budget
+from llm_server.speech.runaway import MAX_PERIOD, WINDOW, LoopDetector
 from served import ScriptedEngineDouble, body, serving
 
 
@@ -50,7 +50,7 @@ def test_speech_does_not_loop_by_chance_and_longer_blocks_are_not_loops():
 async def test_a_looping_segment_ends_with_its_audio_and_frees_the_engine(snac_server, caplog):
     engine = ScriptedEngineDouble(frames=2000, frames_per_batch=4, loop_after=12, loop_period=3)
     async with serving(snac_server, engine) as served:
-        with caplog.at_level(logging.WARNING, logger="llm_server.speech"):
+        with caplog.at_level(logging.WARNING, logger="llm_server.speech.stream"):
             async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
                 reply = await http.post("/v1/audio/speech", json=body("A sentence the model gets stuck on."))
         assert reply.status_code == 200

@@ -1,4 +1,4 @@
-"""The Together-compatible door (llm_server/together.py, issue 27): the events Pipecat's TogetherTTSService sends
+"""The Together-compatible door (llm_server/doors/together.py, issue 27): the events Pipecat's TogetherTTSService sends
 (session update, append, commit, clear) and those it reads (session.created, audio deltas, done, errors); the clear
 is a cancel that frees everything at once; hostile input gets an `error` event and the socket lives on."""
 
@@ -12,7 +12,7 @@ from served import FRAME_BYTES, NOTHING_HELD, CharTokenizerDouble, ScriptedEngin
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from llm_server.prompt import prompt_ids
+from llm_server.speech.prompt import prompt_ids
 
 FRAMES = 4
 PATH = "/v1/audio/speech/websocket?model=canopylabs/orpheus-3b-0.1-ft&voice=tara&language=en"

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from llm_server.audio_tokens import CODES_PER_FRAME, frame_violations
+from llm_server.engine.audio_tokens import CODES_PER_FRAME, frame_violations
 from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
-from llm_server.model_source import resolve_model
-from llm_server.vllm_engine import VllmEngine
+from llm_server.engine.model_source import resolve_model
+from llm_server.engine.vllm import VllmEngine
 from processes import TINY_CACHE
 
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
@@ -119,7 +119,7 @@ async def test_closing_the_stream_aborts_the_request(engine):
 def test_trtllm_backend_refuses_clearly_without_tensorrt_llm():
     """The second backend is importable everywhere and names what it needs where it cannot run."""
     from llm_server.engine import EngineError
-    from llm_server.trtllm_engine import TrtLlmEngine
+    from llm_server.engine.trtllm import TrtLlmEngine
 
     engine = TrtLlmEngine(LlmServerConfig(backend="trtllm"), "unused")
     with pytest.raises(EngineError, match="tensorrt_llm"):
@@ -141,7 +141,7 @@ async def test_a_clone_voices_reference_turn_is_served_from_the_prefix_cache_on_
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    from llm_server.prompt import clone_prompt_ids
+    from llm_server.speech.prompt import clone_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))
     reference = np.random.default_rng(11).integers(0, 4096, size=(40, 7))  # 280 audio tokens
@@ -175,10 +175,10 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     from transformers import AutoTokenizer
 
     from llm_server.capacity import PaceMeter
-    from llm_server.codec_client import AudioChunk, CodecClient, CodecClientConfig
+    from llm_server.speech.codec_client import AudioChunk, CodecClient, CodecClientConfig
     from llm_server.metrics import LlmMetrics
-    from llm_server.prompt import split_sentences
-    from llm_server.speech import SegmentEnd, SpeechJob, SpeechPipeline
+    from llm_server.speech.prompt import split_sentences
+    from llm_server.speech.stream import SegmentEnd, SpeechJob, SpeechPipeline
     from llm_server.voices import CHECKPOINT, Voice
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))

@@ -15,8 +15,8 @@ from served import (NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, bas
 from websockets.asyncio.client import connect
 
 from llm_server.config import LlmServerConfig
-from llm_server.deepgram import model_entry, voice_of
-from llm_server.prompt import prompt_ids
+from llm_server.doors.deepgram import model_entry, voice_of
+from llm_server.speech.prompt import prompt_ids
 from llm_server.voices import CHECKPOINT, UnknownVoice, Voice, VoiceRegistry, read_voices_file
 
 FRENCH = ["pierre", {"name": "amelie", "language": "fr"}]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from llm_server.encoding import S16_BYTES as SAMPLE_BYTES, SAMPLE_RATE  # s16le mono
+from llm_server.speech.encoding import S16_BYTES as SAMPLE_BYTES, SAMPLE_RATE  # s16le mono
 
 BYTES_PER_AUDIO_S = SAMPLE_RATE * SAMPLE_BYTES
 EPS = 1e-9  # float slack in comparisons against targets

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 from codec_contract.audio import unpack_frames
 
-from .audio_tokens import FrameAssembler
-from .capacity import PaceMeter
+from ..capacity import PaceMeter
+from ..config import LlmServerConfig
+from ..engine import Engine, Sampling
+from ..engine.audio_tokens import FrameAssembler
+from ..metrics import LlmMetrics
+from ..voices import Voice
 from .codec_client import AudioChunk, CodecClient, CodecError, CodecStream
-from .config import LlmServerConfig
-from .engine import Engine, Sampling
-from .metrics import LlmMetrics
 from .prompt import Tokenizer, clone_prompt_ids, prompt_ids, token_budget
 from .runaway import WINDOW, LoopDetector
-from .voices import Voice
 
 log = logging.getLogger(__name__)
 MIN_SPEECH_TOKENS = 8  # the fewest tokens a segment is generated with: room the prompt must leave

@@ -30,8 +30,14 @@ import grpc
 import numpy as np
 
 from codec_contract.api import codec_pb2, codec_pb2_grpc
-from codec_contract.audio import (CODES_PER_FRAME, FRAME_SAMPLES, RESUME_CONTEXT_FRAMES, SAMPLE_RATE, final_samples,
-                                  unpack_frames)
+from codec_contract.audio import (
+    CODES_PER_FRAME,
+    FRAME_SAMPLES,
+    RESUME_CONTEXT_FRAMES,
+    SAMPLE_RATE,
+    final_samples,
+    unpack_frames,
+)
 from codec_contract.client import END_REQUEST, SERVICE, channel, frames_request
 
 log = logging.getLogger(__name__)

@@ -23,13 +23,13 @@ from starlette.types import Receive, Scope, Send
 
 from codec_contract.audio import SAMPLE_RATE
 
-from . import request_log
-from .config import LlmServerConfig
-from .encoding import AudioOutput, SilenceTrim, sse_delta, sse_done, sse_event
-from .errors import ApiError
-from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
-from .speech import PromptTooLong
-from .voices import UnknownVoice, VoiceRegistry
+from ..config import LlmServerConfig
+from ..edge import request_ids
+from ..edge.errors import ApiError
+from ..speech.encoding import AudioOutput, SilenceTrim, sse_delta, sse_done, sse_event
+from ..speech.session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
+from ..speech.stream import PromptTooLong
+from ..voices import UnknownVoice, VoiceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class SpeechResponse(StreamingResponse):
         self.session, self.first, self.events, self.sse, self.watcher = session, first, events, sse, watcher
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        session, ctx = self.session, request_log.current()
+        session, ctx = self.session, request_ids.current()
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             audio = self.first

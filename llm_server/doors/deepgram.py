@@ -28,14 +28,21 @@ from fastapi.responses import Response
 
 from codec_contract.audio import SAMPLE_RATE
 
-from .encoding import AudioOutput, UnsupportedOutput
-from .errors import ApiError
-from .openai_speech import speak_whole, text_body, trim_of
-from .session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
-from .speech import PromptTooLong
-from .ws_util import (MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, parse_message, refuse_when_full,
-                      stop_sessions)
-from .voices import UnknownVoice, Voice, VoiceRegistry
+from ..edge.errors import ApiError
+from ..speech.encoding import AudioOutput, UnsupportedOutput
+from ..speech.session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
+from ..speech.stream import PromptTooLong
+from ..voices import UnknownVoice, Voice, VoiceRegistry
+from .openai import speak_whole, text_body, trim_of
+from .sockets import (
+    MAX_CONTEXTS,
+    SocketGone,
+    SocketWriter,
+    client_messages,
+    parse_message,
+    refuse_when_full,
+    stop_sessions,
+)
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,14 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+from ..config import LlmServerConfig
+from ..voices import Adapter, has_adapters
+from . import EngineError, Sampling
 from .attention import attention_config
 from .audio_tokens import STOP_TOKEN_IDS, STREAM_INTERVAL
-from .config import LlmServerConfig
-from .engine import EngineError, Sampling
-from .engine_probe import WORKER_EXTENSION
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
 from .model_source import TINY
-from .voices import Adapter, has_adapters
+from .probe import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 

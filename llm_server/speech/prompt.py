@@ -14,8 +14,18 @@ from typing import Protocol
 
 import numpy as np
 
-from .audio_tokens import (BEGIN_OF_TEXT, CODES_PER_FRAME, END_OF_AI, END_OF_HUMAN, END_OF_SPEECH, END_OF_TURN,
-                           START_OF_AI, START_OF_HUMAN, START_OF_SPEECH, code_to_token)
+from ..engine.audio_tokens import (
+    BEGIN_OF_TEXT,
+    CODES_PER_FRAME,
+    END_OF_AI,
+    END_OF_HUMAN,
+    END_OF_SPEECH,
+    END_OF_TURN,
+    START_OF_AI,
+    START_OF_HUMAN,
+    START_OF_SPEECH,
+    code_to_token,
+)
 
 TOKENS_PER_SECOND = 82.03  # 7 tokens per 2048-sample frame at 24 kHz
 # Generous bounds on speaking rate, so the budget never cuts speech short: 10 characters per

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from ..config import LlmServerConfig
+from ..voices import Adapter
+from . import EngineError, Sampling
 from .audio_tokens import CODES_PER_FRAME, STOP_TOKEN_IDS
-from .config import LlmServerConfig
-from .engine import EngineError, Sampling
 from .slot_mask import blocked_ids
-from .voices import Adapter
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,20 @@ import uuid
 
 from fastapi import APIRouter, WebSocket
 
-from .encoding import AudioOutput
-from .openai_speech import trim_of
-from .session import Audio, Refused, SpeechSession, SpeechSpec
-from .voices import UnknownVoice, Voice
-from .ws_util import (MAX_CONTEXTS, SocketGone, SocketWriter, client_messages, context_audio, parse_message,
-                      refuse_when_full, stop_sessions)
+from ..speech.encoding import AudioOutput
+from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
+from ..voices import UnknownVoice, Voice
+from .openai import trim_of
+from .sockets import (
+    MAX_CONTEXTS,
+    SocketGone,
+    SocketWriter,
+    client_messages,
+    context_audio,
+    parse_message,
+    refuse_when_full,
+    stop_sessions,
+)
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .voices import Adapter
+    from ..voices import Adapter
 
 
 @dataclass(frozen=True)

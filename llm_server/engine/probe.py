@@ -8,11 +8,11 @@ log lines. This class is mixed into vLLM's worker (engine argument `worker_exten
 
 from __future__ import annotations
 
-from . import vllm_cpu_lora
+from . import cpu_lora
 
 WORKER_EXTENSION = f"{__name__}.AttentionProbe"
 # vLLM imports this module in the engine's process to build its worker: the one place our code runs there.
-vllm_cpu_lora.apply()
+cpu_lora.apply()
 
 
 class AttentionProbe:

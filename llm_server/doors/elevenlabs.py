@@ -42,13 +42,20 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 
-from .encoding import AudioOutput, UnsupportedOutput
-from .errors import ApiError
-from .openai_speech import refused_error, speak_whole, text_body, trim_of
-from .session import Audio, Refused, SpeechSession, SpeechSpec, Words
-from .voices import UnknownVoice
-from .ws_util import (MAX_CONTEXTS, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full,
-                      stop_context)
+from ..edge.errors import ApiError
+from ..speech.encoding import AudioOutput, UnsupportedOutput
+from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
+from ..voices import UnknownVoice
+from .openai import refused_error, speak_whole, text_body, trim_of
+from .sockets import (
+    MAX_CONTEXTS,
+    SocketWriter,
+    client_messages,
+    context_audio,
+    parse_message,
+    refuse_when_full,
+    stop_context,
+)
 
 log = logging.getLogger(__name__)
 router = APIRouter()

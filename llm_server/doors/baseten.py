@@ -28,12 +28,12 @@ import uuid
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import Response
 
-from .encoding import AudioOutput
-from .errors import ApiError
-from .openai_speech import speak_whole, text_body, trim_of
-from .session import Audio, Refused, SpeechSession, SpeechSpec
-from .voices import UnknownVoice
-from .ws_util import SocketGone, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full
+from ..edge.errors import ApiError
+from ..speech.encoding import AudioOutput
+from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
+from ..voices import UnknownVoice
+from .openai import speak_whole, text_body, trim_of
+from .sockets import SocketGone, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full
 
 log = logging.getLogger(__name__)
 router = APIRouter()

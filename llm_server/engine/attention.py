@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.config.attention import AttentionConfig
 
-    from .config import LlmServerConfig
+    from ..config import LlmServerConfig
 
 TRTLLM_ATTENTION = {"auto": None, "on": True, "off": False}  # -> AttentionConfig.use_trtllm_attention
 FLASHINFER = "FLASHINFER"

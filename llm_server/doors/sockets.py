@@ -15,9 +15,9 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from orpheus_common.http import TRY_AGAIN_LATER
 from orpheus_common.socket_budget import POLICY_VIOLATION, SocketBudget
 
-from .admission import CAPACITY
-from .session import ClientTooSlow, SpeechSession
-from .speech import PromptTooLong
+from ..admission import CAPACITY
+from ..speech.session import ClientTooSlow, SpeechSession
+from ..speech.stream import PromptTooLong
 
 log = logging.getLogger(__name__)
 

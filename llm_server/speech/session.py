@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 from codec_contract.audio import SAMPLE_RATE
 
-from .admission import KEY
-from .auth import ApiKey
+from ..admission import KEY
+from ..edge.auth import ApiKey
+from ..voices import Voice
 from .encoding import S16_BYTES as SAMPLE_BYTES
 from .encoding import AudioOutput, SilenceTrim, StreamEncoder, first_audible
 from .prompt import TextSegmenter, split_sentences
-from .speech import PromptTooLong, SegmentEnd, SpeechJob, SpeechStream
-from .voices import Voice
+from .stream import PromptTooLong, SegmentEnd, SpeechJob, SpeechStream
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,21 @@ from fastapi.responses import Response
 
 from codec_contract.audio import SAMPLE_RATE
 
-from .encoding import AudioOutput, UnsupportedOutput
-from .errors import ApiError
-from .openai_speech import speak_whole, text_body, trim_of
-from .session import Audio, Refused, SpeechSession, SpeechSpec, Words
-from .speech import SegmentEnd
-from .voices import UnknownVoice
-from .ws_util import (MAX_CONTEXTS, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full,
-                      stop_context)
+from ..edge.errors import ApiError
+from ..speech.encoding import AudioOutput, UnsupportedOutput
+from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
+from ..speech.stream import SegmentEnd
+from ..voices import UnknownVoice
+from .openai import speak_whole, text_body, trim_of
+from .sockets import (
+    MAX_CONTEXTS,
+    SocketWriter,
+    client_messages,
+    context_audio,
+    parse_message,
+    refuse_when_full,
+    stop_context,
+)
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,3 @@
+"""The HTTP edge's guards, outermost first: request ids on every response and log line (request_ids.py),
+API keys (auth.py), the body size limit (body_limit.py), and the one client error the endpoints raise
+(errors.py)."""
