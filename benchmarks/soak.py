@@ -73,19 +73,13 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _path in (REPO_ROOT, BENCH_DIR, REPO_ROOT / "tests"):  # tests/: the hostile corpus (hostile_audio.py)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from concurrency_bench import report  # noqa: E402
-from concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus  # noqa: E402
-from concurrency_bench.flood import Knock, flood  # noqa: E402
-from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request, warm_up  # noqa: E402
-from concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles  # noqa: E402
-from concurrency_bench.stack import LocalStack, gauge, cpu_cores, cpu_snapshot  # noqa: E402
-from provenance import record  # noqa: E402
+from benchmarks.concurrency_bench import report
+from benchmarks.concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus
+from benchmarks.concurrency_bench.flood import Knock, flood
+from benchmarks.concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, Request, warm_up
+from benchmarks.concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets, percentiles
+from benchmarks.concurrency_bench.stack import LocalStack, cpu_cores, cpu_snapshot, gauge
+from benchmarks.provenance import REPO_ROOT, record
 
 SAMPLES_PER_FRAME = 2048
 SAMPLE_BYTES = 2
@@ -117,8 +111,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="soak a `megapod up` already running (its pid; workers with a fixed cap) instead of starting "
                         "one: the slots beyond --max-streams are held by silent contexts, and it is left running")
     p.add_argument("--hostile-uploads-every-s", type=float, default=0.0, metavar="S",
-                   help="during the soak, a crafted recording (tests/hostile_audio.py, the worst first) posted to the "
-                        "worker's POST /v1/voices every S seconds (0: none; the soak's own stack gets a voices directory)")
+                   help="during the soak, a crafted recording (benchmarks/hostile_audio.py, the worst first) posted to "
+                        "the worker's POST /v1/voices every S seconds (0: none; the soak's own stack gets a voices "
+                        "directory)")
     p.add_argument("--memory-every-s", type=float, default=5.0, help="RSS sampling period")
     p.add_argument("--replays", type=int, default=3, help="replies replayed at the end with the same seed (0: none)")
     p.add_argument("--doors", type=int, default=0, metavar="N",
@@ -430,7 +425,7 @@ def loop_lag_summary(before: dict[str, dict[str, Any]], after: dict[str, dict[st
 
 # -- hostile uploads beside the soak (issue 41) ------------------------------------------------------------
 
-# The corpus items that cost the most to refuse (tests/hostile_audio.py), then a legal one that makes a voice.
+# The corpus items that cost the most to refuse (hostile_audio.py), then a legal one that makes a voice.
 HOSTILE_FIRST = ("flac_tiny_frames_384k", "flac_tiny_frames_48k", "flac_hour_of_near_silence_undeclared",
                  "opus_tiny_frames_undeclared", "wav_32_channels", "mkv_20_audio_streams", "flac_corrupt_throughout",
                  "flac_tiny_frames_48k_within_bounds")
@@ -441,7 +436,7 @@ async def post_corpus(worker: str, items: Sequence[str], every_s: float = 0.0, f
     """Post each item to the worker's POST /v1/voices in turn (over and over with `forever`, until cancelled),
     `every_s` apart; a voice made is deleted again. Each answer: the item, its status, what it said, how long, and
     when (`window`: perf_counter at the post and at the answer)."""
-    from hostile_audio import corpus
+    from benchmarks.hostile_audio import corpus
 
     made = corpus()  # made before the first post: encoding them is this client's CPU, not the worker's
     payloads = {name: await asyncio.to_thread(made[name]) for name in dict.fromkeys(items)}

@@ -1,7 +1,7 @@
-"""The worker's HTTP app: the front doors (OpenAI's speech API, the Cartesia- and Deepgram-compatible
-WebSockets and their HTTP twins), voices and models, health, readiness and metrics.
+"""The worker's HTTP app: the six front doors (doors/: OpenAI, Cartesia, Deepgram, ElevenLabs, Baseten, Together,
+WebSockets and HTTP), voices and models, health, readiness and metrics, behind the edge's guards (edge/).
 
-Every front door is a thin adapter over a SpeechSession (session.py). Client mistakes become 4xx
+Every front door is a thin adapter over a SpeechSession (speech/session.py). Client mistakes become 4xx
 with an OpenAI-shaped error body here, at the edge; the rest of the tier raises typed errors.
 """
 
@@ -23,12 +23,11 @@ from orpheus_common.playground import playground
 
 from . import clones
 from .config import LlmServerConfig
-from .doors import baseten, cartesia, deepgram, elevenlabs, openai, together
-from .edge import request_ids
+from .doors import baseten, cartesia, deepgram, elevenlabs, models, openai, together
+from .edge import connections, request_ids
 from .edge.auth import ApiKeyMiddleware, ApiKeys
 from .edge.body_limit import BodyLimitMiddleware
 from .edge.errors import ApiError
-from .engine.model_source import TINY
 from .runtime import Runtime
 
 
@@ -57,11 +56,11 @@ class CapacityHeaderMiddleware:
 
 
 class SpeechApp(FastAPI):
-    """FastAPI with the request-id layer outside even Starlette's error handler, so every
-    response, a 500 included, carries X-Request-Id."""
+    """FastAPI with the request-id and connection layers outside even Starlette's error handler, so every
+    response, a 500 included, carries X-Request-Id, and any response can be cut on purpose."""
 
     def build_middleware_stack(self) -> ASGIApp:
-        return request_ids.RequestIdMiddleware(super().build_middleware_stack())
+        return request_ids.RequestIdMiddleware(connections.ConnectionMiddleware(super().build_middleware_stack()))
 
 
 def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastAPI:
@@ -100,7 +99,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
     if config.api_keys_file:
         keys = ApiKeys(config.api_keys_file)
         app.add_middleware(ApiKeyMiddleware, keys=keys, on_refused=lambda: app.state.runtime.metrics.unauthorized.inc())
-    request_ids.quiet_deliberate_aborts()
+    connections.quiet_deliberate_aborts()
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -119,20 +118,12 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for routes in (openai, cartesia, deepgram, elevenlabs, baseten, together, clones):
+    for routes in (openai, cartesia, deepgram, elevenlabs, baseten, together, models, clones):
         app.include_router(routes.router)
 
     @app.get("/v1/voices")
     async def voices(request: Request) -> dict:
         return request.app.state.runtime.voices.listing()
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        """OpenAI's model list; `tts` is Deepgram's (its GET /v1/models): each voice as the model name that asks for
-        it; `megapod` what the playground says about this worker (random weights: noise, not speech)."""
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "orpheus-megapod"} for m in config.model_names],
-                "tts": [deepgram.model_entry(v) for v in request.app.state.runtime.voices.voices],
-                "megapod": {"random_weights": config.model == TINY or config.load_format == "dummy"}}
 
     app.add_api_route("/", playground, methods=["GET"], include_in_schema=False)
 

@@ -34,8 +34,7 @@ from codec_contract.audio import SAMPLE_RATE
 from .edge.errors import ApiError
 from .reference_audio import ReferenceRefused, UploadsBusy
 from .speech.codec_client import CodecError
-from .speech.prompt import clone_prompt_ids
-from .speech.stream import MIN_SPEECH_TOKENS
+from .speech.prompt import MIN_SPEECH_TOKENS, clone_prompt_ids
 from .voices import CLONE, CLONE_FILE, VOICE_NAME, CloneFile
 
 log = logging.getLogger(__name__)

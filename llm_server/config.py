@@ -105,7 +105,7 @@ class LlmServerConfig(Settings):
     reference_decode_timeout_s: float = Field(10.0, gt=0)
     # A client this many seconds of audio behind real time, while audio waits for it, is cut off.
     max_client_lag_s: float = Field(30.0, gt=0)
-    # Security: API keys file (lines `name:key[:max_streams]`, re-read when it changes); empty: open.
+    # Security: API keys file (lines `name:key[:max_streams[:permissions]]`, re-read when it changes); empty: open.
     api_keys_file: str = ""
     log_input_text: bool = False  # request text stays out of logs unless asked for
     # Leading silence (Orpheus often opens with a few hundred ms): dropped up to the first sample above

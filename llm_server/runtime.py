@@ -20,7 +20,7 @@ from .reference_audio import ReferenceBounds, ReferenceDecoder
 from .speech.codec_client import CodecClient, CodecClientConfig
 from .speech.prompt import Tokenizer
 from .speech.stream import SpeechPipeline
-from .voices import VoiceRegistry, VoicesDirectory
+from .voices import VoiceRegistry, VoicesDirectory, has_adapters
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,14 @@ def codec_in_trouble(failovers: int, deliveries: int, late: int, late_share: flo
     return failovers > 0 or late > late_share * deliveries
 
 
+def lora_enabled(config: LlmServerConfig) -> bool:
+    """LoRA as configured; unset, on when the voices directory holds an adapter (it costs every step)."""
+    return config.enable_lora if config.enable_lora is not None else has_adapters(config.voices_dir)
+
+
 def build_engine(config: LlmServerConfig, model_dir: str) -> Engine:
-    """The configured backend over a resolved model directory (or Hub id)."""
+    """The configured backend over a resolved model directory (or Hub id), LoRA on or off as lora_enabled says."""
+    config = config.model_copy(update={"enable_lora": lora_enabled(config)})
     if config.backend == "trtllm":
         from .engine.trtllm import TrtLlmEngine
 

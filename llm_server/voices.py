@@ -2,7 +2,7 @@
 
 A voice has a name, a kind and, where known, a language. Two kinds:
 
-- `checkpoint`: a speaker the fine-tune learned, spoken by putting its name before the text (prompt.py).
+- `checkpoint`: a speaker the fine-tune learned, spoken by putting its name before the text (speech/prompt.py).
   They come from a `voices.json` beside the checkpoint when it has one (a fine-tune in another language
   names its own speakers), else from --voices (the English fine-tune's eight, in --voices-language).
   `voices.json` is a JSON list whose items are a name or {"name": ..., "language": ...}:
@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from codec_contract.audio import CODEBOOK_SIZE, CODES_PER_FRAME, pack_frames
 
 from .config import LlmServerConfig, parse_aliases
+from .engine import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +58,6 @@ CLONE = "clone"  # a zero-shot clone of a reference recording
 CLONE_FILE = "clone.json"  # what makes a directory a clone voice
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter
 VOICE_FILE = "voice.json"  # optional, in a voice's directory: its speaker and language
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """A LoRA adapter the engine applies to one voice's requests: a PEFT directory, and an id and a name unique
-    to this version of it (an adapter replaced under the same name is a new adapter to the engine's cache)."""
-
-    name: str
-    id: int
-    path: str
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ class SocketLimits:
     messages_per_s: float = 200.0  # sustained; an LLM's tokens one message each stay far below
     message_burst: float = 1000.0  # a whole reply's tokens sent at once
     bytes_per_s: float = 256 * 1024.0
-    byte_burst: float = 1024 * 1024.0  # at least one largest message (ws_util.MAX_MESSAGE_CHARS)
+    byte_burst: float = 1024 * 1024.0  # at least one largest message (llm_server/doors/sockets.py, MAX_MESSAGE_CHARS)
     patience_s: float = 0.5  # over budget this long after the first refusal: closed (every message parsed costs)
 
 

@@ -81,13 +81,6 @@ def _name(func: Callable) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
 
 
-def _is_host_data(value: object) -> bool:
-    """A Python sequence or a numpy array: data that lives on the host."""
-    return isinstance(value, (list, np.ndarray)) or (
-        isinstance(value, tuple) and any(isinstance(v, (list, tuple, np.ndarray)) for v in value)
-    )
-
-
 def _index_problem(index: object) -> str | None:
     parts = index if isinstance(index, tuple) else (index,)
     for part in parts:

@@ -24,8 +24,6 @@ from .noise import NoiseContext, PositionalNoise, fold_seed
 
 log = logging.getLogger(__name__)
 
-HF_MODEL_ID = "hubertsiuzdak/snac_24khz"
-
 # The published config of hubertsiuzdak/snac_24khz; `random-24khz` builds exactly this.
 SNAC_24KHZ_CONFIG = {
     "sampling_rate": 24000,

@@ -23,7 +23,7 @@ from snac.layers import DecoderBlock, ResidualUnit, Snake1d
 from torch import nn
 
 from .codec_model import SnacDecoder
-from .frames import CODES_PER_FRAME, FRAME_SAMPLES, frames_to_levels
+from .frames import FRAME_SAMPLES, frames_to_levels
 from .noise import PositionalNoise, positional_gaussian
 
 LATENT_STEPS_PER_FRAME = 4  # SNAC's finest code level: 4 latent steps per frame, 512 samples each
@@ -197,7 +197,3 @@ def flush_frames(delay: int) -> int:
     """Frames of padding past a stream's end that push its last sample out."""
     return -(-delay // FRAME_SAMPLES)
 
-
-def zero_codes(frames: int) -> torch.Tensor:
-    """Codes for flush frames (ignored: masked past the end)."""
-    return torch.zeros(frames, CODES_PER_FRAME, dtype=torch.int64)

@@ -45,7 +45,7 @@ def server_config(**overrides) -> SnacServerConfig:
     can run. What these servers are tested for (batching, sessions, resumes, bad input, the LLM tier
     around them) does not depend on the decoder's width, and the real width costs ~50x the CPU a frame
     (a whole decode of 64 frames: 6.8 s against 0.14 s here, one thread); the codec's own numerics are
-    tested at the real width (test_streaming.py, test_codec_model.py, the recorded PCM in test_server.py)."""
+    tested at the real width (test_streaming.py, test_codec_model.py, the recorded PCM in test_codec_server.py)."""
     values = dict(host="127.0.0.1", port=0, metrics_port=0, device="cpu", model=TEST_CODEC, max_wait_ms=20.0)
     values.update(overrides)
     return SnacServerConfig(**values)
@@ -97,10 +97,9 @@ STOPPERS = ("stops_the_megapod",)
 SHARED_STACKS = ("megapod",)
 # The longest groups first (a minute or more each on two cores), so that neither worker is left with one at
 # the end while the other idles; then the rest in file order, the image test last (it waits for its build).
-LONGEST_FIRST = ("megapod", "tests/test_doctor.py", "tests/test_clone_benchmark.py",
-                 "tests/test_serving_cpu_benchmark.py", "tests/test_lora_benchmark.py", "tests/test_gpu_kit.py",
-                 "tests/test_vllm_engine.py", "tests/test_lora_voices.py",
-                 "tests/test_chart_parity.py", "tests/test_streaming.py", "tests/test_codec_model.py")
+LONGEST_FIRST = ("megapod", "tests/test_doctor.py", "tests/test_gpu_kit.py", "tests/test_vllm_engine.py",
+                 "tests/test_lora_voices.py", "tests/test_chart_parity.py", "tests/test_streaming.py",
+                 "tests/test_codec_model.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

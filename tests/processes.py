@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.concurrency_bench.stack import LocalStack
 from megapod.launcher import Child, free_ports
 
 TINY_CACHE = os.environ.get("MEGAPOD_TEST_CACHE", str(Path.home() / ".cache" / "orpheus-megapod"))
@@ -121,16 +122,16 @@ def megapod_up(log_dir: Path, workers: int, replicas: int, max_streams: int | No
     front is ready; SIGINT (then SIGKILL of all it started) at the end: the benchmarks' LocalStack.
     Yields proc (the Popen), log, url and front_port, llm and snac (each server as a Part), max_streams (per
     worker) and grace_s."""
-    # Imported here: pytest puts benchmarks/ on the path, test files run as scripts do not.
-    from concurrency_bench.stack import LocalStack
-
     flags = ["--workers", str(workers), "--replicas", str(replicas), "--enforce-eager", "true",
              "--max-model-len", str(MAX_MODEL_LEN), "--llm-device", "cpu", "--snac-device", "cpu", "--snac-model", TEST_CODEC,
              "--voices-dir", str(log_dir / "voices")]
     # A fixed limit when given (floor = ceiling): the tests count on it; else measured, as deployed.
     flags += ["--max-streams-per-worker", str(max_streams), "--min-streams-per-worker", str(max_streams)] if max_streams else []
     flags += ["--grace-s", str(grace_s)] if grace_s is not None else []
-    stack = LocalStack("up", flags, log_dir)
+    # 1 GiB of KV cache a worker (vLLM's CPU default is what --cpu-kv-cache-gb sets, 2): ample for the tests' streams
+    # of MAX_MODEL_LEN tokens on the tiny model, and the engines the other tests start beside this stack get the
+    # memory (fresh pages came slowly with 8 GB held: the clone benchmark's smoke test took 58 s beside it, 29 s so).
+    stack = LocalStack("up", flags, log_dir, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     stack.plan(set())
     try:
         stack.start()

@@ -18,12 +18,11 @@ import httpx
 import uvicorn
 
 from llm_server.api import create_app
-from llm_server.engine.audio_tokens import END_OF_SPEECH, code_to_token
-from llm_server.speech.codec_client import CodecClient
 from llm_server.config import LlmServerConfig
-from llm_server.engine import EngineError, Sampling
+from llm_server.engine import Adapter, EngineError, Sampling
+from llm_server.engine.audio_tokens import END_OF_SPEECH, code_to_token
 from llm_server.runtime import Runtime, codec_client_config
-from llm_server.voices import Adapter
+from llm_server.speech.codec_client import CodecClient
 from orpheus_common.fair_websockets import FairWebSocketProtocol
 
 FRAME_BYTES = 2048 * 2  # s16 samples per frame

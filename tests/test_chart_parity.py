@@ -55,6 +55,7 @@ from test_deploy_chart import (
     write_mount,
 )
 
+from benchmarks.contention import busy_cores
 from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import channel
 from megapod.cluster import CPU, H100
@@ -459,8 +460,6 @@ async def test_a_rolling_update_loses_no_stream(two_workers, order: str, busy: i
     finish, it exits 0, and new streams go to the other worker. busy-cores: the same beside two busy
     loops in sessions of their own (issue 23: a load sent at a fixed rate failed so; the replica's share
     of the cores decoded less than the rate, and streams waited past the codec client's stall deadline)."""
-    from contention import busy_cores  # here: pytest puts benchmarks/ on the path, this file run as a worker does not
-
     port, procs = two_workers["port"], two_workers["procs"]
     leaving = procs["127.0.0.1"]
     dns = ResolverDouble("127.0.0.1", "127.0.0.2")

@@ -120,7 +120,7 @@ def test_exact_fp32_leaves_the_legacy_tf32_flags_readable(cublas_override):
 
 
 def test_a_stream_decodes_alike_alone_and_in_a_batch_within_one_s16_step():
-    """The README's reproducibility claim: batch shape moves fp32 audio by less than one s16 step."""
+    """The reproducibility claim (docs/api.md, the `seed` field): batch shape moves fp32 audio by less than one s16 step."""
     decoder = build_decoder("random-24khz", "cpu", "float32", 8)
     frames = np.stack([random_frames(6, seed=s) for s in range(8)])
     alone = decoder(torch.as_tensor(frames[:1]), torch.tensor([5]), torch.tensor([3]))[0].numpy()

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-from concurrency_bench import metrics
-from concurrency_bench.corpus import load_corpus
-from concurrency_bench.levels import level_record, throughput
-from concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape
-from concurrency_bench.metrics import Counts, Targets, Timeline
-from concurrency_bench.search import Search
+from benchmarks.concurrency_bench import metrics
+from benchmarks.concurrency_bench.corpus import load_corpus
+from benchmarks.concurrency_bench.levels import level_record, throughput
+from benchmarks.concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape
+from benchmarks.concurrency_bench.metrics import Counts, Targets, Timeline
+from benchmarks.concurrency_bench.search import Search
 from megapod.launcher import Child, free_ports
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 SECOND = 48_000  # bytes of one audio second
 
@@ -145,7 +145,7 @@ def test_live_counts_only_what_is_certain():
 
 
 def test_throughput_counts_every_stream_inside_the_span():
-    from concurrency_bench.load import LevelRun, Request
+    from benchmarks.concurrency_bench.load import LevelRun, Request
 
     a = Request(0, 0, "s001", True, sent_s=10.0, chunks=[(10.5, SECOND), (11.0, SECOND)], ended_s=12.0,
                 completed=True)
@@ -182,7 +182,7 @@ def test_search_stops_at_its_level_budget():
 
 
 def test_idle_wait_reads_the_workers_gauges():
-    from concurrency_bench.stack import gauge
+    from benchmarks.concurrency_bench.stack import gauge
 
     page = ('# HELP orpheus_active_streams Speech streams being served\n# TYPE orpheus_active_streams gauge\n'
             'orpheus_active_streams{worker="0"} 2.0\norpheus_active_streams{worker="1"} 1.0\n'

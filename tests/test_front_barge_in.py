@@ -4,22 +4,21 @@ the front's httpx pool and never told the worker: after 100 cuts (the pool's siz
 503 and the front's /ready said 503, for good, the worker idle all along. Load: httpx's default pool of
 100 connections made every stream past the 100th wait for an earlier one to end, and /ready with them.
 
-Over a test double of a worker (tests/paced_worker.py: paced PCM that counts how each stream ended),
+Over a test double of a worker (benchmarks/paced_worker.py: paced PCM that counts how each stream ended),
 the real front, in its own process, as `megapod front` runs it."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from benchmarks.paced_worker import CHUNK_BYTES, CHUNKS, SPEECH_PATHS
 from orpheus_front.front import KEEPALIVE, TIMEOUTS_TO_UNREADY, WorkerReadiness
 from megapod.launcher import Child, free_ports
-from paced_worker import CHUNK_BYTES, CHUNKS, SPEECH_PATHS
 
 CUTS = 210  # past the pool's old 100, over every relayed path
 AT_ONCE = 10
@@ -30,7 +29,7 @@ CONCURRENT = 300
 def front_and_worker(tmp_path_factory):
     logs = tmp_path_factory.mktemp("front-barge-in")
     worker_port, front_port = free_ports(2)
-    worker = Child("paced-worker", [sys.executable, str(Path(__file__).with_name("paced_worker.py")), str(worker_port)],
+    worker = Child("paced-worker", [sys.executable, "-m", "benchmarks.paced_worker", str(worker_port)],
                    logs / "worker.log", f"http://127.0.0.1:{worker_port}/ready")
     front = Child("front", [sys.executable, "-m", "orpheus_front", "--host", "127.0.0.1", "--port", str(front_port),
                             "--workers", f"http://127.0.0.1:{worker_port}"], logs / "front.log",

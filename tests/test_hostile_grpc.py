@@ -1,7 +1,7 @@
 """Hostile input to the codec tier's Decode stream, against the real in-process server.
 
 A property test sends random and adversarial DecodeRequest sequences and checks each RPC
-against an oracle written from the protocol rules (README "The gRPC contract", codec.proto):
+against an oracle written from the protocol rules (docs/api.md, "The gRPC contract"; codec.proto):
 OK with every sample's audio exactly once, in order, where the input is valid; INVALID_ARGUMENT
 with a message where it is not; never INTERNAL or UNKNOWN, never a stream left hanging, and
 the server healthy with no stream held afterwards. Raw bytes that are not a DecodeRequest and

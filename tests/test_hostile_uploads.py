@@ -19,10 +19,10 @@ import av
 import httpx
 import pytest
 import pytest_asyncio
-from hostile_audio import MAX_REFERENCE_BYTES, corpus, missing, wav_file
-from hostile_audio import packets as packet_count
 from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, body, serving, settled
 
+from benchmarks.hostile_audio import MAX_REFERENCE_BYTES, corpus, missing, wav_file
+from benchmarks.hostile_audio import packets as packet_count
 from llm_server.engine.audio_tokens import END_OF_SPEECH
 
 TRANSCRIPT = "The quick brown fox jumps over the lazy dog."

@@ -14,17 +14,18 @@ import httpx
 import numpy as np
 import pytest
 import pytest_asyncio
-from lora_adapters import make_adapter
 from processes import TINY_CACHE
 from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, serving, settled
 
-from llm_server.engine.audio_tokens import frame_violations
+from benchmarks.lora_adapters import make_adapter
 from llm_server.config import LlmServerConfig
 from llm_server.engine import Sampling
-from llm_server.speech.prompt import clone_prompt_ids, prompt_ids
+from llm_server.engine.audio_tokens import frame_violations
 from llm_server.engine.model_source import resolve_model
+from llm_server.engine.vllm import VllmEngine
+from llm_server.runtime import lora_enabled
+from llm_server.speech.prompt import clone_prompt_ids, prompt_ids
 from llm_server.voices import CHECKPOINT, LORA, VoiceRegistry, VoicesDirectory
-from llm_server.engine.vllm import VllmEngine, lora_enabled
 
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
 SAMPLING = Sampling(max_tokens=7 * 12 + 1, seed=5)

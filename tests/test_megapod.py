@@ -24,7 +24,8 @@ import pytest
 from processes import MAX_MODEL_LEN, scrape
 
 from llm_server.config import LlmServerConfig
-from llm_server.speech.prompt import split_sentences, token_budget
+from llm_server.speech.prompt import token_budget
+from llm_server.speech.segmenter import split_sentences
 
 from megapod.launcher import Child, free_block, free_ports, probe
 

@@ -20,7 +20,7 @@ def test_a_second_writer_of_the_tiny_checkpoint_keeps_the_first(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [TINY_VERSION]  # no tmp folder left behind
 
 
-# What engine_args sets on CPU (vllm_engine._cpu_environment): restored after each test that calls it.
+# What engine_args sets on CPU (llm_server/engine/vllm.py, _cpu_environment): restored after each test that calls it.
 CPU_ENVIRONMENT = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 

@@ -22,7 +22,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from concurrency_bench.flood import flood
+from benchmarks.concurrency_bench.flood import flood
 from processes import WORKER_MAX_STREAMS as CAP
 from processes import scrape, wait_metric_zero
 from served import cartesia

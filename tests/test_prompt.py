@@ -3,7 +3,8 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llm_server.speech.prompt import TOKENS_PER_SECOND, TextSegmenter, split_sentences, token_budget
+from llm_server.speech.prompt import TOKENS_PER_SECOND, token_budget
+from llm_server.speech.segmenter import TextSegmenter, split_sentences
 
 
 def test_sentences_split_and_short_ones_join():

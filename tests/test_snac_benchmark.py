@@ -7,29 +7,14 @@ paths for a fraction of the CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-import pytest
 from processes import TEST_CODEC
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "snac_tier.py"
+from benchmarks import snac_tier
 
 
-@pytest.fixture(scope="module")
-def snac_tier():
-    """The benchmark script, imported as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("snac_tier", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-def test_both_policies_in_both_regimes_write_the_comparison(snac_tier, tmp_path):
+def test_both_policies_in_both_regimes_write_the_comparison(tmp_path):
     out = tmp_path / "tier.json"
     returned = snac_tier.main(["--streams", "2", "--frames", "6", "--device", "cpu", "--model", TEST_CODEC, "--out", str(out)])
     result = json.loads(out.read_text())
@@ -47,7 +32,7 @@ def test_both_policies_in_both_regimes_write_the_comparison(snac_tier, tmp_path)
     assert result["regimes"]["trickle"]["streaming"]["decode_steps"] >= 6, "one frame per stream per step"
 
 
-def test_forward_sizes_times_each_size(snac_tier, tmp_path):
+def test_forward_sizes_times_each_size(tmp_path):
     """--forward-sizes: one decoder forward per size, ms per frame keyed by frames a forward."""
     out = tmp_path / "forward.json"
     result = snac_tier.main(["--forward-sizes", "1,2", "--device", "cpu", "--model", TEST_CODEC, "--out", str(out)])
@@ -57,7 +42,7 @@ def test_forward_sizes_times_each_size(snac_tier, tmp_path):
     assert result["cheapest_forward_frames"] in figures
 
 
-def test_forward_sizes_by_threads_alone_and_beside_busy_loops(snac_tier, tmp_path):
+def test_forward_sizes_by_threads_alone_and_beside_busy_loops(tmp_path):
     """--threads and --busy: each thread count timed alone and beside busy loops."""
     out = tmp_path / "threads.json"
     result = snac_tier.main(["--forward-sizes", "1", "--threads", "1,2", "--busy", "1", "--device", "cpu", "--model", TEST_CODEC, "--out", str(out)])

@@ -9,9 +9,9 @@ import asyncio
 
 import httpx
 import pytest
-from hostile_sockets import BUDGET_SAID, DOORS, flood
 from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, body, serve_app, serving, settled, ws_url
 
+from benchmarks.hostile_sockets import BUDGET_SAID, DOORS, flood
 from orpheus_common.socket_budget import SocketBudget, SocketLimits
 from orpheus_front.front import create_front_app
 

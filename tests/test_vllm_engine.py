@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 import pytest_asyncio
+from processes import TINY_CACHE
 
-from llm_server.engine.audio_tokens import CODES_PER_FRAME, frame_violations
 from llm_server.config import LlmServerConfig
 from llm_server.engine import EngineError, Sampling
+from llm_server.engine.audio_tokens import CODES_PER_FRAME, frame_violations
 from llm_server.engine.model_source import resolve_model
 from llm_server.engine.vllm import VllmEngine
-from processes import TINY_CACHE
 
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
 
@@ -129,7 +129,7 @@ def test_trtllm_backend_refuses_clearly_without_tensorrt_llm():
 
 
 async def test_an_engine_with_lora_off_refuses_an_adapter_saying_how_to_turn_it_on(engine, tmp_path):
-    from llm_server.voices import Adapter
+    from llm_server.engine import Adapter
 
     with pytest.raises(EngineError, match="LoRA is off in this engine.*--enable-lora true"):
         await engine.load_adapter(Adapter("ava@1", 1, str(tmp_path)))
@@ -175,10 +175,10 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     from transformers import AutoTokenizer
 
     from llm_server.capacity import PaceMeter
-    from llm_server.speech.codec_client import AudioChunk, CodecClient, CodecClientConfig
     from llm_server.metrics import LlmMetrics
-    from llm_server.speech.prompt import split_sentences
-    from llm_server.speech.stream import SegmentEnd, SpeechJob, SpeechPipeline
+    from llm_server.speech.codec_client import CodecClient, CodecClientConfig
+    from llm_server.speech.segmenter import split_sentences
+    from llm_server.speech.stream import SpeechJob, SpeechPipeline
     from llm_server.voices import CHECKPOINT, Voice
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE))
@@ -192,23 +192,18 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     for segment in split_sentences(text, config.max_segment_chars):
         stream.add(segment)
     stream.end()
-    items = [item async for item in stream.audio()]
+    texts, per_segment = [], []  # each segment's text and the bytes of its audio, in the order heard
+    async for text, chunks in stream.segments():
+        texts.append(text)
+        per_segment.append(sum([len(chunk.pcm) async for chunk in chunks]))
     await codec.close()
-    pcm = b"".join(item.pcm for item in items if isinstance(item, AudioChunk))
-    ends = [item for item in items if isinstance(item, SegmentEnd)]
-    assert [e.text for e in ends] == ["First one here.", "Then the second.", "And a third at last."]
-    per_segment, current = [], 0  # the audio between one SegmentEnd and the next
-    for item in items:
-        if isinstance(item, SegmentEnd):
-            per_segment, current = [*per_segment, current], 0
-        else:
-            current += len(item.pcm)
-    assert isinstance(items[-1], SegmentEnd) and sum(per_segment) == len(pcm), "each segment's audio, then its end"
+    assert texts == ["First one here.", "Then the second.", "And a third at last."]
+    pcm_bytes = sum(per_segment)
     assert all(n > 0 and n % (2048 * 2) == 0 for n in per_segment), per_segment
     spoken = [tokenizer.decode(p[2:-4]) for p in recorder.prompts]
     assert spoken == ["tara: First one here.", "tara: Then the second.", "tara: And a third at last."]
-    assert len(pcm) > 0 and len(pcm) % (2048 * 2) == 0
-    assert len(pcm) // (2048 * 2) * 7 <= stream.generated_tokens, "every frame of every segment is audio"
+    assert pcm_bytes > 0 and pcm_bytes % (2048 * 2) == 0
+    assert pcm_bytes // (2048 * 2) * 7 <= stream.generated_tokens, "every frame of every segment is audio"
     # admission's meter saw vLLM's deliveries: every token but each request's first delivery, three
     # requests decoding one after another, none left decoding
     window = meter.take(time.monotonic())

@@ -10,12 +10,22 @@ import logging
 
 import httpx
 import pytest
-from served import (NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, cartesia, serving, settled,
-                    ws_url)
+from served import (
+    NOTHING_HELD,
+    CharTokenizerDouble,
+    ScriptedEngineDouble,
+    baseline,
+    body,
+    cartesia,
+    serving,
+    settled,
+    ws_url,
+)
 from websockets.asyncio.client import connect
 
 from llm_server.config import LlmServerConfig
-from llm_server.doors.deepgram import model_entry, voice_of
+from llm_server.doors.deepgram import voice_of
+from llm_server.doors.models import model_entry
 from llm_server.speech.prompt import prompt_ids
 from llm_server.voices import CHECKPOINT, UnknownVoice, Voice, VoiceRegistry, read_voices_file
 

@@ -21,9 +21,9 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.provenance import machine_busy_s
 from megapod.launcher import Child, free_block
 from megapod.topology import MegaPodConfig
-from provenance import machine_busy_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,7 @@ class LocalStack:
     startup_s: float | None = None
     # Gauges that others hold on purpose (e.g. slots the soak keeps taken): idle means down to these, not 0.
     held: dict[str, float] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment `megapod up` and its children get
 
     @classmethod
     def attach(cls, pid: int, log_dir: Path) -> LocalStack:
@@ -91,7 +92,7 @@ class LocalStack:
         return f"http://{self.config.host}:{self.config.front_port}"
 
     def start(self) -> None:
-        env = {"MEGAPOD_LOG_DIR": str(self.log_dir / self.name), "PYTHONUNBUFFERED": "1"}
+        env = {**self.env, "MEGAPOD_LOG_DIR": str(self.log_dir / self.name), "PYTHONUNBUFFERED": "1"}
         # A session of its own: the stack's CPU is scheduled apart from this client's (Linux's autogroup).
         self.child = Child(f"megapod up ({self.name})", self.argv, self.log_dir / f"{self.name}-megapod-up.log",
                            f"{self.url}/ready", env, cwd=REPO_ROOT, own_session=True).start()

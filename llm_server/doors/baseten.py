@@ -32,8 +32,8 @@ from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput
 from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
 from ..voices import UnknownVoice
-from .openai import speak_whole, text_body, trim_of
-from .sockets import SocketGone, SocketWriter, client_messages, context_audio, parse_message, refuse_when_full
+from .http import speak_whole, text_body, trim_of
+from .sockets import SocketGone, SocketWriter, accept, client_messages, context_audio, parse_message
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -113,12 +113,11 @@ class BasetenSocket:
 
 @router.websocket("/environments/{environment}/websocket")
 async def baseten_websocket(ws: WebSocket, environment: str) -> None:
-    runtime = ws.app.state.runtime
-    if await refuse_when_full(ws, runtime):
+    if (accepted := await accept(ws)) is None:
         return
-    await ws.accept()
+    runtime, key = accepted
     try:
-        await BasetenSocket(ws, runtime, ws.scope.get("state", {}).get("api_key")).run()
+        await BasetenSocket(ws, runtime, key).run()
     except SocketGone:
         pass
 

@@ -30,17 +30,16 @@ from codec_contract.audio import SAMPLE_RATE
 
 from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
-from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
-from ..speech.stream import SegmentEnd
+from ..speech.session import Audio, Refused, SegmentEnd, SpeechSession, SpeechSpec, Words
 from ..voices import UnknownVoice
-from .openai import speak_whole, text_body, trim_of
+from .http import speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketWriter,
+    accept,
     client_messages,
     context_audio,
     parse_message,
-    refuse_when_full,
     stop_context,
 )
 
@@ -243,11 +242,10 @@ def _refusal(context_id: str | None, status: int, text: str) -> Refusal:
 
 @router.websocket("/tts/websocket")
 async def cartesia_websocket(ws: WebSocket) -> None:
-    runtime = ws.app.state.runtime
-    if await refuse_when_full(ws, runtime):
+    if (accepted := await accept(ws)) is None:
         return
-    await ws.accept()
-    await CartesiaSocket(ws, runtime, ws.scope.get("state", {}).get("api_key")).run()
+    runtime, key = accepted
+    await CartesiaSocket(ws, runtime, key).run()
 
 
 @router.post("/tts/bytes")

@@ -30,17 +30,18 @@ from codec_contract.audio import SAMPLE_RATE
 
 from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
-from ..speech.session import Audio, ClientTooSlow, Refused, SpeechSession, SpeechSpec
-from ..speech.stream import PromptTooLong
+from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
 from ..voices import UnknownVoice, Voice, VoiceRegistry
-from .openai import speak_whole, text_body, trim_of
+from .http import speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketGone,
     SocketWriter,
+    accept,
     client_messages,
+    context_audio,
     parse_message,
-    refuse_when_full,
+    refuse_socket,
     stop_sessions,
 )
 
@@ -71,13 +72,6 @@ def voice_of(model: str | None) -> str | None:
     name is taken as it is."""
     found = AURA_MODEL.fullmatch(model or "")
     return found.group(1) if found else model
-
-
-def model_entry(voice: Voice) -> dict[str, object]:
-    """A voice as Deepgram's model list (GET /v1/models, `tts`) describes a voice model."""
-    language = voice.language or "en"
-    return {"name": voice.name, "canonical_name": f"aura-2-{voice.name}-{language}", "architecture": "orpheus",
-            "languages": [language], "version": voice.kind, "uuid": voice.uuid}
 
 
 def settings_of(query, voices: VoiceRegistry, encodings: dict[str, str]) -> Settings:
@@ -195,27 +189,20 @@ class DeepgramSocket:
                 session.cancel("disconnected")
 
     async def _play_group(self, session: SpeechSession) -> None:
+        """One group's audio, ended as every socket door's context is (sockets.context_audio); a client gone or cut
+        off is seen by _play's next send."""
         try:
-            async for item in session.events():
-                if isinstance(item, Audio):
-                    await session.send(lambda: self.out.bytes(item.data), item.seconds)
-        except SocketGone:
-            session.cancel("disconnected")
-            raise
-        except ClientTooSlow:
-            await self.out.close(1008, "client too slow: too far behind real time")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if session.failed(exc):
-                if isinstance(exc, PromptTooLong):
-                    await self._error("INPUT_TOO_LONG", str(exc))
-                else:
-                    await self._error("SYNTHESIS_FAILED", f"speech generation failed: {exc}")
+            async with context_audio(session, self.out, self._report):
+                async for item in session.events():
+                    if isinstance(item, Audio):
+                        await session.send(lambda: self.out.bytes(item.data), item.seconds)
         finally:
             if session in self.live:
                 self.live.remove(session)
             await session.close()
+
+    async def _report(self, text: str, bad_input: bool) -> None:
+        await self._error("INPUT_TOO_LONG" if bad_input else "SYNTHESIS_FAILED", text)
 
     async def _stop_all(self, outcome: str) -> None:
         """Barge-in or a vanished client: every group stops now and releases what it holds."""
@@ -238,18 +225,15 @@ def _message(kind: str, code: str, text: str) -> dict:
 
 @router.websocket("/v1/speak")
 async def deepgram_websocket(ws: WebSocket) -> None:
-    runtime = ws.app.state.runtime
-    if await refuse_when_full(ws, runtime):
+    if (accepted := await accept(ws)) is None:
         return
-    await ws.accept()
+    runtime, key = accepted
     try:
         settings = settings_of(ws.query_params, runtime.voices, SOCKET_ENCODINGS)
     except BadQuery as exc:
-        out = SocketWriter(ws)
-        await out.tell(_message("Error", "INVALID_QUERY_PARAMETER", str(exc)))
-        await out.close(1008, "invalid query parameter")
+        await refuse_socket(SocketWriter(ws), _message("Error", "INVALID_QUERY_PARAMETER", str(exc)), "invalid query parameter")
         return
-    await DeepgramSocket(ws, runtime, ws.scope.get("state", {}).get("api_key"), settings).run()
+    await DeepgramSocket(ws, runtime, key, settings).run()
 
 
 @router.post("/v1/speak")

@@ -46,14 +46,15 @@ from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
 from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
 from ..voices import UnknownVoice
-from .openai import refused_error, speak_whole, text_body, trim_of
+from .http import refused_error, speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketWriter,
+    accept,
     client_messages,
     context_audio,
     parse_message,
-    refuse_when_full,
+    refuse_socket,
     stop_context,
 )
 
@@ -246,18 +247,16 @@ class ElevenLabsSocket:
 
 
 async def _socket(ws: WebSocket, voice_id: str, single: bool) -> None:
-    runtime = ws.app.state.runtime
-    if await refuse_when_full(ws, runtime):
+    if (accepted := await accept(ws)) is None:
         return
-    await ws.accept()
+    runtime, key = accepted
     try:
         spec = spec_of(runtime, voice_id, ws.query_params)
     except Refusal as exc:  # the socket's own settings: nothing can be spoken on it
-        await ws.send_json({"error": str(exc), "message": str(exc)})
-        await ws.close(1008, str(exc)[:120])
+        await refuse_socket(SocketWriter(ws), {"error": str(exc), "message": str(exc)}, str(exc)[:120])
         return
     cumulative = ws.query_params.get("sync_alignment", "false").lower() == "true"
-    await ElevenLabsSocket(ws, runtime, ws.scope.get("state", {}).get("api_key"), spec, cumulative, single).run()
+    await ElevenLabsSocket(ws, runtime, key, spec, cumulative, single).run()
 
 
 @router.websocket("/v1/text-to-speech/{voice_id}/multi-stream-input")

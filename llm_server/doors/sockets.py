@@ -1,5 +1,5 @@
-"""What the WebSocket front doors (Cartesia-, Deepgram- and ElevenLabs-compatible) share: one writer per
-socket, the capacity check at connect, text limits, and how a context's audio ends and is stopped."""
+"""What the socket doors (Cartesia, Deepgram, ElevenLabs, Baseten, Together) share: a socket accepted or refused at
+connect, one writer per socket, the message budget, text limits, and how a context's audio ends and is stopped."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from orpheus_common.http import TRY_AGAIN_LATER
 from orpheus_common.socket_budget import POLICY_VIOLATION, SocketBudget
 
 from ..admission import CAPACITY
-from ..speech.session import ClientTooSlow, SpeechSession
-from ..speech.stream import PromptTooLong
+from ..edge.auth import ApiKey
+from ..speech.session import ClientTooSlow, PromptTooLong, SpeechSession
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,22 @@ class SocketWriter:
                 raise SocketGone from None
 
 
-async def refuse_when_full(ws: WebSocket, runtime) -> bool:
-    """A new socket when every stream slot is taken: accepted and closed at once with 1013."""
-    if runtime.admission.free:
-        return False
+async def accept(ws: WebSocket) -> tuple[object, ApiKey | None] | None:
+    """A door's socket accepted: the worker's runtime and the handshake's API key (edge/auth.py). None when every
+    stream slot is taken: then the socket is closed at once with 1013."""
+    runtime = ws.app.state.runtime
     await ws.accept()
-    await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.admission.max_streams} concurrent streams")
-    runtime.metrics.refused(CAPACITY)
-    return True
+    if not runtime.admission.free:
+        await ws.close(TRY_AGAIN_LATER, f"server at its limit of {runtime.admission.max_streams} concurrent streams")
+        runtime.metrics.refused(CAPACITY)
+        return None
+    return runtime, ws.scope.get("state", {}).get("api_key")
+
+
+async def refuse_socket(out: SocketWriter, message: dict, reason: str) -> None:
+    """The socket's own settings are wrong (nothing can be spoken on it): the protocol's error, then 1008."""
+    await out.tell(message)
+    await out.close(POLICY_VIOLATION, reason)
 
 
 async def client_messages(ws: WebSocket, out: SocketWriter, runtime,

@@ -29,15 +29,16 @@ from fastapi import APIRouter, WebSocket
 from ..speech.encoding import AudioOutput
 from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
 from ..voices import UnknownVoice, Voice
-from .openai import trim_of
+from .http import trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketGone,
     SocketWriter,
+    accept,
     client_messages,
     context_audio,
     parse_message,
-    refuse_when_full,
+    refuse_socket,
     stop_sessions,
 )
 
@@ -167,16 +168,13 @@ class TogetherSocket:
 
 @router.websocket("/v1/audio/speech/websocket")
 async def together_websocket(ws: WebSocket) -> None:
-    runtime = ws.app.state.runtime
-    if await refuse_when_full(ws, runtime):
+    if (accepted := await accept(ws)) is None:
         return
-    await ws.accept()
+    runtime, key = accepted
     try:
         voice = runtime.voices.named(ws.query_params.get("voice"))
     except UnknownVoice as exc:
-        out = SocketWriter(ws)
-        await out.tell({"type": "error", "error": {"type": "invalid_request_error", "code": "invalid_voice",
-                                                   "message": str(exc)}})
-        await out.close(1008, "invalid voice")
+        await refuse_socket(SocketWriter(ws), {"type": "error", "error": {
+            "type": "invalid_request_error", "code": "invalid_voice", "message": str(exc)}}, "invalid voice")
         return
-    await TogetherSocket(ws, runtime, ws.scope.get("state", {}).get("api_key"), voice).run()
+    await TogetherSocket(ws, runtime, key, voice).run()

@@ -50,7 +50,7 @@ class ApiKey:
 
 
 def parse_keys(text: str) -> tuple[ApiKey, ...]:
-    """Lines `name:key[:max_streams]` -> keys; raises ApiKeysError naming the line, never its key."""
+    """Lines `name:key[:max_streams[:permissions]]` -> keys; raises ApiKeysError naming the line, never its key."""
     keys: list[ApiKey] = []
     caps: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), 1):

@@ -1,18 +1,16 @@
 """The narrow engine interface the LLM tier needs, whatever runs the Orpheus backbone.
 
 submit prompt ids + sampling -> stream generated token ids -> abort. vLLM's async engine
-(vllm_engine.py) is the backend; TensorRT-LLM's LLM API (trtllm_engine.py) sits behind the
-same interface.
+(vllm.py) is the backend; TensorRT-LLM's LLM API (trtllm.py) sits behind the same interface. The engine knows
+nothing of voices, doors or speech: a LoRA voice reaches it as an Adapter, and whether LoRA is on at all is the
+runtime's decision, given in the config (runtime.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from ..voices import Adapter
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -27,12 +25,22 @@ class Sampling:
     frame_constrained: bool = True
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter the engine applies to one voice's requests: a PEFT directory, and an id and a name unique
+    to this version of it (an adapter replaced under the same name is a new adapter to the engine's cache)."""
+
+    name: str
+    id: int
+    path: str
+
+
 class EngineError(RuntimeError):
     """The engine failed a request (not the client's fault)."""
 
 
 class Engine(Protocol):
-    """What the speech pipeline asks of a backend."""
+    """What a speech stream asks of a backend (speech/stream.py)."""
 
     async def start(self) -> None:
         """Load the model and be ready to generate."""

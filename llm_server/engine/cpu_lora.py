@@ -1,4 +1,4 @@
-"""A fix for vLLM's CPU LoRA kernels, applied in the engine's process (engine_probe.py imports this).
+"""A fix for vLLM's CPU LoRA kernels, applied in the engine's process (probe.py imports this).
 
 vLLM marks a batch's tokens that use no adapter with LoRA index -1. Its Triton kernels (GPUs) skip those
 tokens; the PyTorch ops its CPU backend uses (vllm/lora/ops/torch_ops/lora_ops.py, 0.32) index the stacked

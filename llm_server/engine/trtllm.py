@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from ..config import LlmServerConfig
-from ..voices import Adapter
-from . import EngineError, Sampling
+from . import Adapter, EngineError, Sampling
 from .audio_tokens import CODES_PER_FRAME, STOP_TOKEN_IDS
 from .slot_mask import blocked_ids
 

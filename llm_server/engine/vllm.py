@@ -13,8 +13,7 @@ import os
 from collections.abc import AsyncIterator
 
 from ..config import LlmServerConfig
-from ..voices import Adapter, has_adapters
-from . import EngineError, Sampling
+from . import Adapter, EngineError, Sampling
 from .attention import attention_config
 from .audio_tokens import STOP_TOKEN_IDS, STREAM_INTERVAL
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
@@ -52,11 +51,6 @@ def _cpu_environment(config: LlmServerConfig) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def lora_enabled(config: LlmServerConfig) -> bool:
-    """LoRA as configured; unset, on when the voices directory holds an adapter (it costs every step)."""
-    return config.enable_lora if config.enable_lora is not None else has_adapters(config.voices_dir)
-
-
 def engine_args(config: LlmServerConfig, model_dir: str):
     """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -79,7 +73,7 @@ def engine_args(config: LlmServerConfig, model_dir: str):
         kv_cache_dtype=config.kv_cache_dtype,
         load_format=config.load_format,
         enforce_eager=config.enforce_eager,
-        enable_lora=lora_enabled(config),
+        enable_lora=bool(config.enable_lora),  # the runtime's decision (runtime.lora_enabled)
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
         max_cpu_loras=config.max_cpu_loras,

@@ -6,7 +6,7 @@ for audio nobody wants. A loop here: the last WINDOW frames periodic with a peri
 MAX_PERIOD frames, compared exactly (codes are discrete). WINDOW is 2 s of audio, longer than any
 held sound or pause inside an utterance, so speech is never cut for sounding steady; the check costs
 a few tuple comparisons per frame. Speech that runs past its text's token budget is the other
-runaway: the budget ends it (llm_server/speech/prompt.py), and the pipeline counts it.
+runaway: the budget ends it (llm_server/speech/prompt.py), and the stream counts it (speech/stream.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """One speech stream's owner: admission, generation, the codec, encoding, metrics, pacing, cancellation.
 
-Every front door (the HTTP speech API, the Cartesia- and Deepgram-compatible WebSockets) opens a
-SpeechSession, gives it text (whole, or in pieces as a voice agent's LLM writes it), reads its events
-and closes it. Whatever happened, close() aborts the engine request, cancels the codec streams,
+Every front door (doors/: six protocols, over HTTP and WebSockets) opens a SpeechSession, gives it text (whole,
+or in pieces as a voice agent's LLM writes it), reads its events and closes it. Whatever happened, close() aborts the engine request, cancels the codec streams,
 returns the admission slot and counts the outcome, exactly once.
 """
 
@@ -21,10 +20,13 @@ from ..edge.auth import ApiKey
 from ..voices import Voice
 from .encoding import S16_BYTES as SAMPLE_BYTES
 from .encoding import AudioOutput, SilenceTrim, StreamEncoder, first_audible
-from .prompt import TextSegmenter, split_sentences
-from .stream import PromptTooLong, SegmentEnd, SpeechJob, SpeechStream
+from .prompt import PromptTooLong
+from .segmenter import TextSegmenter, split_sentences
+from .stream import SpeechJob, SpeechStream
 
 log = logging.getLogger(__name__)
+__all__ = ["Audio", "ClientTooSlow", "PromptTooLong", "Refused", "SegmentEnd", "SpeechSession", "SpeechSpec", "Words"]
+
 
 class Refused(Exception):
     """A stream cap is reached (the worker's or the key's): refused at once, never queued."""
@@ -66,6 +68,14 @@ class Words:
     words: list[str]
     starts: list[float]
     ends: list[float]
+
+
+@dataclass(frozen=True)
+class SegmentEnd:
+    """All the audio of segment `index` (its `text`) has been handed out."""
+
+    index: int
+    text: str
 
 
 class ClientPace:
@@ -171,28 +181,29 @@ class SpeechSession:
         heard = sent = False
         emitted = dropped = 0  # samples sent, and trimmed, at 24 kHz
         segment_start = 0
-        async for item in self._stream.audio():
-            if isinstance(item, SegmentEnd):
-                yield self._words(item.text, segment_start, emitted)
-                segment_start = emitted
-                yield item
-                continue
-            pcm = item.pcm
-            if trimming is not None:
-                pcm, cut, trimming = _trim(pcm, trimming, dropped)
-                dropped += cut
-            if not heard and first_audible(pcm, audible_level) is not None:
-                heard = True
-                self._metrics.time_to_first_audible_audio.observe(time.perf_counter() - self._started)
-            emitted += len(pcm) // SAMPLE_BYTES
-            data = await encoder.encode_chunk(pcm)
-            if data:
-                if not sent:
-                    sent = True
-                    self._metrics.time_to_first_audio.observe(time.perf_counter() - self._started)
-                seconds = len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE)
-                self._metrics.audio_seconds.inc(seconds)
-                yield Audio(data, seconds)
+        index = 0
+        async for text, chunks in self._stream.segments():
+            async for chunk in chunks:
+                pcm = chunk.pcm
+                if trimming is not None:
+                    pcm, cut, trimming = _trim(pcm, trimming, dropped)
+                    dropped += cut
+                if not heard and first_audible(pcm, audible_level) is not None:
+                    heard = True
+                    self._metrics.time_to_first_audible_audio.observe(time.perf_counter() - self._started)
+                emitted += len(pcm) // SAMPLE_BYTES
+                data = await encoder.encode_chunk(pcm)
+                if data:
+                    if not sent:
+                        sent = True
+                        self._metrics.time_to_first_audio.observe(time.perf_counter() - self._started)
+                    seconds = len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE)
+                    self._metrics.audio_seconds.inc(seconds)
+                    yield Audio(data, seconds)
+            yield self._words(text, segment_start, emitted)
+            segment_start = emitted
+            yield SegmentEnd(index, text)
+            index += 1
         tail = await encoder.finish_stream()
         if tail:
             yield Audio(tail, 0.0)

@@ -1,5 +1,5 @@
 """Hostile socket clients: a flood of tiny messages on each socket door (issue 41), for the tests
-(test_socket_budget.py) and the benchmark (benchmarks/hostile.py) alike."""
+(tests/test_socket_budget.py) and the benchmark (benchmarks/hostile.py) alike."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import asyncio
 import json
 import time
 
-from served import cartesia
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+
+from benchmarks.soak import cartesia_message
 
 FLOOD = 100_000  # the issue's flood; the server closes the socket long before
 BUDGET_SAID = "over its budget"  # what every door's refusal says
@@ -17,7 +18,7 @@ BUDGET_SAID = "over its budget"  # what every door's refusal says
 
 # Each door's flood: (path, the first message if the protocol opens with one, the message sent over and over).
 DOORS = {
-    "cartesia": ("/tts/websocket", None, cartesia("flood", " ")),
+    "cartesia": ("/tts/websocket", None, cartesia_message("flood", " ", more=True)),
     "elevenlabs": ("/v1/text-to-speech/tara/multi-stream-input?output_format=pcm_24000", None,
                    json.dumps({"text": " ", "context_id": "flood"})),
     "deepgram": ("/v1/speak?model=tara&encoding=linear16&sample_rate=24000", None, json.dumps({"type": "Speak", "text": " "})),

@@ -1,10 +1,10 @@
-"""A test double of an llm-server worker for the front's tests: every speech POST gets CHUNKS chunks of
-silent PCM, one every INTERVAL_S, and /stats says how its streams ended: `whole` (every chunk sent) or
-`cut` (the connection closed before the last), and the most streams it held at once (`peak`). POST /hold
-{"streams": N} makes every stream wait after its first chunk until N are open at once (0: no wait): a
-client's N concurrent streams then end only if all N reached the worker together, whatever the machine's
-speed. POST /ready_mode {"hung": true} makes /ready never answer, as a hung worker's (false: answer again);
-/stats counts the /ready requests it got (`probes`). Run as `python tests/paced_worker.py PORT`."""
+"""A test double of an llm-server worker for the front's tests and its benchmark (front_relay.py): every speech POST
+gets CHUNKS chunks of silent PCM, one every INTERVAL_S, and /stats says how its streams ended: `whole` (every
+chunk sent) or `cut` (the connection closed before the last), and the most streams it held at once (`peak`). POST
+/hold {"streams": N} makes every stream wait after its first chunk until N are open at once (0: no wait): a
+client's N concurrent streams then end only if all N reached the worker together, whatever the machine's speed.
+POST /ready_mode {"hung": true} makes /ready never answer, as a hung worker's (false: answer again); /stats
+counts the /ready requests it got (`probes`). Run as `python -m benchmarks.paced_worker PORT`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,173 @@
+"""What the doors' HTTP routes share: a JSON body's text, checked as every door checks text; speech of a whole
+text streamed as a response; the worker's silence trim; a full worker's 429.
+
+The response starts with the first audio, so a failure before any is a proper error status, not a truncated
+200. A failure after audio started ends the stream deliberately: an SSE `error` event, or for raw
+audio a body cut short (the connection closes without the final chunk), which is how HTTP says
+"incomplete". A client that reads far slower than real time is cut off once it is
+`max_client_lag_s` of audio behind (the session's pacing); while it keeps us waiting nothing more is
+read from the codec, so gRPC flow control holds the stream back and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..config import LlmServerConfig
+from ..edge import connections
+from ..edge.errors import ApiError
+from ..speech.encoding import SilenceTrim, sse_delta, sse_done, sse_event
+from ..speech.session import Audio, ClientTooSlow, PromptTooLong, Refused, SpeechSession, SpeechSpec
+
+log = logging.getLogger(__name__)
+
+
+def check_text(text: str, config: LlmServerConfig, param: str = "input") -> None:
+    """Text every front door refuses the same way."""
+    if not text.strip():
+        raise ApiError(400, f"{param} is empty", param)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \\ud800 escape: no tokenizer takes it
+            raise ApiError(400, f"{param} is not valid Unicode text (lone surrogate)", param) from None
+    if len(text) > config.max_input_chars:
+        raise ApiError(400, f"{param} has {len(text)} characters; the limit is {config.max_input_chars}", param,
+                       "input_too_long")
+
+
+def trim_of(config: LlmServerConfig) -> SilenceTrim | None:
+    """The worker's leading-silence trim, if on."""
+    return SilenceTrim(config.trim_silence_dbfs, config.trim_silence_max_ms) if config.trim_silence else None
+
+
+def refused_error(exc: Refused) -> ApiError:
+    return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+async def text_body(request: Request, field: str) -> dict:
+    """A JSON object with a text `field`, checked as every front door checks text (the WebSocket
+    protocols' HTTP twins)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get(field), str):
+        raise ApiError(400, f"the body needs {field} (a string)", field)
+    check_text(body[field], request.app.state.runtime.config, field)
+    return body
+
+
+async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, sse: bool = False,
+                      media_type: str | None = None, on_admit: Callable[[object], None] = lambda key: None) -> Response:
+    """Speak all of `text`: a full worker refuses with 429; the first audio is awaited, so a failure before
+    it is an error status (a prompt the context cannot hold: 400); then the rest as it is decoded."""
+    key = getattr(request.state, "api_key", None)
+    # The session id names engine and codec requests: unique even if clients reuse X-Request-Id.
+    try:
+        session = SpeechSession.open(request.app.state.runtime, spec, key, f"{name}-{uuid.uuid4().hex[:16]}")
+    except Refused as exc:
+        raise refused_error(exc) from None
+    on_admit(key)
+    session.say(text)
+    # Watched from the start: a client gone before the first audio frees everything at once.
+    watcher = asyncio.create_task(_close_on_disconnect(request, session))
+    events = session.events()
+    try:
+        first = await _next_audio(events)
+    except Exception as exc:
+        told = session.failed(exc)  # counted (invalid_input or error) and logged as every door's failures are
+        await _release(watcher, events, session)
+        if not told:
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        if isinstance(exc, PromptTooLong):
+            raise ApiError(400, str(exc), "input", "context_length_exceeded") from None
+        raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
+    return SpeechResponse(session, first, events, sse, watcher, media_type or spec.output.media_type)
+
+
+async def _release(watcher: asyncio.Task, events: AsyncIterator, session: SpeechSession) -> None:
+    """Stop watching the client, close the events and the session (slot, engine, codec); safe to repeat."""
+    watcher.cancel()
+    await events.aclose()
+    await session.close()
+
+
+async def _next_audio(events: AsyncIterator) -> Audio | None:
+    """The next encoded bytes (timestamps and segment ends are for the WebSocket protocols)."""
+    async for item in events:
+        if isinstance(item, Audio):
+            return item
+    return None
+
+
+class SpeechResponse(StreamingResponse):
+    """The audio as it is decoded, sent within the client's lag allowance; ends deliberately on failure.
+    (A StreamingResponse for its headers: chunked, no Content-Length.)"""
+
+    def __init__(self, session: SpeechSession, first: Audio | None, events: AsyncIterator, sse: bool,
+                 watcher: asyncio.Task, media_type: str) -> None:
+        super().__init__(iter(()), media_type=media_type, headers={"Cache-Control": "no-store"})
+        self.session, self.first, self.events, self.sse, self.watcher = session, first, events, sse, watcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session, ctx = self.session, connections.current()
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            audio = self.first
+            while audio is not None:
+                body = sse_delta(audio.data) if self.sse else audio.data
+                await session.send(lambda: send({"type": "http.response.body", "body": body, "more_body": True}), audio.seconds)
+                audio = await self._next()
+            # Free the slot before the client can see the end: one that asks again at once (a stream at a
+            # time, at its cap) must not be refused for the stream it just finished.
+            await _release(self.watcher, self.events, session)
+            if self.sse:
+                await send({"type": "http.response.body", "body": sse_done(*session.usage), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientTooSlow:
+            if ctx is not None:
+                ctx.reset_connection()
+        except _Failed as failure:
+            if self.sse:
+                await send({"type": "http.response.body", "body": sse_error(str(failure)), "more_body": False})
+            elif ctx is not None:
+                ctx.end_response_early()
+        finally:
+            await _release(self.watcher, self.events, session)
+
+    async def _next(self) -> Audio | None:
+        try:
+            return await _next_audio(self.events)
+        except Exception as exc:
+            if not self.session.failed(exc):
+                return None  # the client left (the watcher cancelled the session): nothing more to send
+            raise _Failed(str(exc)) from None
+
+
+class _Failed(Exception):
+    """Generation failed after audio went out (already logged); the response ends early."""
+
+
+def sse_error(message: str) -> bytes:
+    """A final `error` event: the stream failed after audio went out (OpenAI's error shape)."""
+    error = {"message": f"speech generation failed: {message}", "type": "server_error", "param": None,
+             "code": "generation_failed"}
+    return sse_event({"type": "error", "error": error})
+
+
+async def _close_on_disconnect(request: Request, session: SpeechSession) -> None:
+    """Stop generating the moment the client goes, not at the next chunk we fail to send."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            log.info("%s: client disconnected", session.request_id)
+            session.cancel("disconnected")
+            return
