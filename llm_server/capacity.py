@@ -36,6 +36,12 @@ import numpy as np
 from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, SAMPLE_RATE
 
 REALTIME_TOKENS_PER_S = CODES_PER_FRAME * SAMPLE_RATE / FRAME_SAMPLES  # 82.03: one stream at real time
+# Why the limit moved (CapacityLimit.reason, orpheus_capacity_limit_changes_total{reason}, a log line each time):
+SLOW = "pace_below_target"  # the streams decoding got less than the target pace
+GROWTH = "growth"  # the limit was in use and the pace had room for more
+CODEC_LATE = "codec_late"  # more than codec_late_share of the window's codec chunks came late
+CODEC_FAILOVER = "codec_failover"  # a codec stream failed over (a replica refused, stalled or went away)
+REASONS = (SLOW, GROWTH, CODEC_LATE, CODEC_FAILOVER)
 CODEC_BACKOFF = 0.9
 CODEC_HOLD_WINDOWS = 5  # after a codec backoff the limit does not grow for this many windows
 # A window ends only once its streams have decoded this many tokens' worth at the target pace (about
@@ -142,7 +148,8 @@ class CapacityLimit:
         self._window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
         self.limit = float(min(max(initial, floor), ceiling))
         self.pace: float | None = None  # the last window's
-        self._codec_trouble = False
+        self._codec_trouble: str | None = None  # CODEC_LATE or CODEC_FAILOVER, until the next window
+        self.reason: str | None = None  # why the last update moved the limit (None: it did not)
         self._hold = 0  # windows left without growth after a codec backoff
 
     @property
@@ -158,29 +165,33 @@ class CapacityLimit:
         """Nothing decodes: no pace to show (an old one would hold an alert up)."""
         self.pace = None
 
-    def codec_trouble(self) -> None:
-        """The codec tier was in trouble since the last window: a stream failed over (a replica refused, stalled
-        or went away) or its audio came late (a replica behind)."""
-        self._codec_trouble = True
+    def codec_trouble(self, reason: str = CODEC_LATE) -> None:
+        """The codec tier was in trouble since the last window: a stream failed over (CODEC_FAILOVER: a replica
+        refused, stalled or went away) or its audio came late (CODEC_LATE: a replica behind). A failover wins."""
+        if self._codec_trouble != CODEC_FAILOVER:
+            self._codec_trouble = reason
 
     def update(self, window: Window, peak_admitted: int, admitted: int) -> float:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
         the limit: demand met it, and every stream past it was refused); `admitted`: now. Returns the
         new limit. A window without enough decoding changes nothing."""
         pace = window.pace if self.enough(window.stream_s) else None
-        limit = self.limit
+        limit, reason = self.limit, None
         self.pace = pace
         if pace is not None and pace < self.target_pace:
             # Too slow for the streams decoding: the limit those streams would keep at the target.
-            limit = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace))
+            limit, reason = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace)), SLOW
         elif pace is not None and peak_admitted >= self.streams >= admitted and not self._hold:
             # In use, and not still over it after a decrease (the streams past it are yet to end).
             limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + math.sqrt(limit)))
+            reason = GROWTH
         self._hold = max(0, self._hold - 1)
+        if self._codec_trouble and self.limit * CODEC_BACKOFF < limit:
+            limit, reason = self.limit * CODEC_BACKOFF, self._codec_trouble
         if self._codec_trouble:
-            limit = min(limit, self.limit * CODEC_BACKOFF)
-            self._codec_trouble, self._hold = False, CODEC_HOLD_WINDOWS
-        self.limit = min(max(limit, float(self.floor)), float(self.ceiling))
+            self._codec_trouble, self._hold = None, CODEC_HOLD_WINDOWS
+        before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
+        self.reason = reason if self.limit != before else None
         return self.limit
 
 

@@ -8,6 +8,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from orpheus_common.loop_lag import LoopLag
 
+from .capacity import REASONS
+
 # Around what a voice agent feels: 100-300 ms to first audio is good, a second is bad.
 _TTFA_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
 
@@ -55,6 +57,11 @@ class LlmMetrics:
         # The autoscaler's metric: a fixed active-stream target was wrong wherever the measured limit is not it.
         self.capacity_used = Gauge("megapod_worker_capacity_used_ratio", "Streams held over the streams admitted at "
                                    "once now (above 1 while the limit falls below what was admitted)", registry=r)
+        # reason: pace_below_target, growth, codec_late, codec_failover (capacity.py); every move of the limit, one each
+        self.limit_changes = Counter("orpheus_capacity_limit_changes", "Moves of the admission limit, by why it moved",
+                                     ["reason"], registry=r)
+        for reason in REASONS:
+            self.limit_changes.labels(reason)  # exported at 0 from the start: a rate() needs the series
         self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
                           "(1: exactly real time; NaN: too little decoding to say)", registry=r)
         # action: refused (a message over a socket's budget, dropped unread), closed (a flood that went on)

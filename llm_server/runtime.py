@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
-from .capacity import CapacityLimit, PaceMeter
+from .capacity import CODEC_FAILOVER, CODEC_LATE, CapacityLimit, PaceMeter
 from .config import LlmServerConfig
 from .engine import Engine
 from .engine.model_source import resolve_model
@@ -133,21 +133,33 @@ class Runtime:
         """Move the admission limit every capacity_window_s, by the pace measured and the codec tier's trouble:
         a failover, or more than codec_late_share of the window's codec chunks late (a replica behind)."""
         failovers, deliveries, late = self.codec.failovers, self.codec.deliveries, self.codec.late
+        codec = (0, 0, 0)  # failovers, deliveries and late chunks of the codec trouble not yet acted on
         while True:
             await asyncio.sleep(self.config.capacity_window_s)
             try:  # a failure here must not freeze the limit for the worker's life
-                self.metrics.codec_late_chunks.inc(self.codec.late - late)
-                if codec_in_trouble(self.codec.failovers - failovers, self.codec.deliveries - deliveries,
-                                    self.codec.late - late, self.config.codec_late_share):
-                    self.admission.limit.codec_trouble()
+                seen = (self.codec.failovers - failovers, self.codec.deliveries - deliveries, self.codec.late - late)
+                self.metrics.codec_late_chunks.inc(seen[2])
+                if codec_in_trouble(*seen, self.config.codec_late_share):
+                    self.admission.limit.codec_trouble(CODEC_FAILOVER if seen[0] else CODEC_LATE)
+                    codec = tuple(a + b for a, b in zip(codec, seen))  # what the next window's move answers
                 failovers, deliveries, late = self.codec.failovers, self.codec.deliveries, self.codec.late
                 before = self.admission.max_streams
                 window = self.admission.end_window(time.monotonic())
-                if window is not None and self.admission.max_streams != before:
-                    log.debug("admission limit %d -> %d streams (pace %.2f over %.1f decoding streams)", before,
-                              self.admission.max_streams, window.pace, window.mean_decoding)
+                if window is not None:
+                    if self.admission.limit.reason is not None:
+                        self._limit_moved(before, window, codec)
+                    codec = (0, 0, 0)
             except Exception:
                 log.exception("moving the admission limit failed; it stays at %d", self.admission.max_streams)
+
+    def _limit_moved(self, before: int, window, codec: tuple[int, int, int]) -> None:
+        """Count and log why the limit moved, with the figures it moved by."""
+        limit = self.admission.limit
+        self.metrics.limit_changes.labels(limit.reason).inc()
+        pace = "-" if window.pace is None else f"{window.pace:.2f}"
+        log.info("admission limit %d -> %d streams: %s (pace %s against a target of %.2f, %.1f streams decoding; codec: "
+                 "%d failovers, %d of %d chunks late)", before, limit.streams, limit.reason, pace, limit.target_pace,
+                 window.mean_decoding, codec[0], codec[2], codec[1])
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

@@ -10,6 +10,10 @@ import pytest
 
 from llm_server.admission import CAPACITY, KEY, AdmissionController
 from llm_server.capacity import (
+    CODEC_FAILOVER,
+    CODEC_LATE,
+    GROWTH,
+    SLOW,
     CODEC_HOLD_WINDOWS,
     REALTIME_TOKENS_PER_S,
     CapacityLimit,
@@ -117,6 +121,28 @@ def test_codec_trouble_shrinks_the_limit_once_a_window_and_holds_it_a_while():
     assert limit.limit == pytest.approx(90.0), "counted once, and held"
     limit.update(window_at(90, step_ms_curve(1.0, 0.0)), peak_admitted=90, admitted=90)
     assert limit.limit > 90
+
+
+def test_every_move_of_the_limit_says_why_and_a_failover_outranks_late_audio():
+    fast, slow = step_ms_curve(1.0, 0.0), step_ms_curve(100.0, 10.0)
+    limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
+    limit.update(window_at(16, slow), peak_admitted=16, admitted=16)
+    assert limit.reason == SLOW and limit.streams < 16
+    limit.update(window_at(limit.streams, fast), peak_admitted=limit.streams, admitted=limit.streams)
+    assert limit.reason == GROWTH
+    grown = limit.streams
+    limit.update(window_at(grown, fast), peak_admitted=1, admitted=1)  # not in use: no move, no reason
+    assert limit.reason is None and limit.streams == grown
+    limit.codec_trouble(CODEC_LATE)
+    limit.update(window_at(grown, fast), peak_admitted=grown, admitted=grown)  # growth had room; the codec wins
+    assert limit.reason == CODEC_LATE and limit.streams < grown
+    limit.codec_trouble(CODEC_FAILOVER)
+    limit.codec_trouble(CODEC_LATE)
+    limit.update(window_at(limit.streams, fast), peak_admitted=1, admitted=1)
+    assert limit.reason == CODEC_FAILOVER
+    floor = CapacityLimit(initial=4, floor=4, ceiling=8, target_pace=TARGET)
+    floor.update(window_at(4, slow), peak_admitted=4, admitted=4)  # at the floor already: nothing moved
+    assert floor.reason is None and floor.streams == 4
 
 
 def test_floor_and_ceiling_hold():

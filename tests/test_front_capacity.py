@@ -11,6 +11,7 @@ other tests need not keep 1.05 x real time (tests/test_codec_faults.py holds the
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import httpx
@@ -184,10 +185,11 @@ async def _until(condition, within_s: float = 60.0) -> None:
     raise AssertionError("condition not met")
 
 
-async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusals_say_why(snac_server):
-    """35 tokens/s a stream (real time is 82): the limit falls under the 4 streams held; a new stream is
-    refused for capacity, counted by cause; the pace gauge says how far behind, the used-capacity
-    gauge (the autoscaler's) how far over."""
+async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusals_say_why(snac_server, caplog):
+    """35 tokens/s a stream (real time is 82): the limit falls under the 4 streams held, counted and logged as a
+    pace below target; a new stream is refused for capacity, counted by cause; the pace gauge says how far
+    behind, the used-capacity gauge (the autoscaler's) how far over."""
+    caplog.set_level(logging.INFO, logger="llm_server.runtime")
     engine = ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.2)  # 7 tokens / 0.2 s
     async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4, target_pace=1.05,
                        capacity_window_s=0.25, codec_late_share=1.0) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
@@ -202,6 +204,10 @@ async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusal
         assert registry.get_sample_value("megapod_worker_capacity_streams") == admission.max_streams
         # what the autoscaler reads: past 1 here, as the limit fell below the streams held
         assert registry.get_sample_value("megapod_worker_capacity_used_ratio") == 4 / admission.max_streams > 1
+        assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": "pace_below_target"}) >= 1
+        assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": "codec_late"}) == 0
+        moves = [r.getMessage() for r in caplog.records if r.getMessage().startswith("admission limit 4 -> ")]
+        assert moves and "pace_below_target (pace 0." in moves[0] and "against a target of 1.05" in moves[0], moves
         for stream in streams:
             stream.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -221,4 +227,6 @@ async def test_an_engine_ahead_of_real_time_lets_the_limit_grow_under_demand(sna
         await _until(lambda: admission.max_streams == 3)
         third = await http.post("/v1/audio/speech", json=body("Hi."))
         assert third.status_code == 200 and admission.max_streams == 3  # the ceiling
+        assert served.runtime.metrics.registry.get_sample_value("orpheus_capacity_limit_changes_total",
+                                                                {"reason": "growth"}) >= 1
         await asyncio.gather(*held)
