@@ -18,13 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from orpheus_common import connections
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, error_response, voices_header
 from orpheus_common.playground import playground
 
 from . import clones
 from .config import LlmServerConfig
 from .doors import baseten, cartesia, deepgram, elevenlabs, models, openai, together
-from .edge import connections, request_ids
+from .edge import request_ids
 from .edge.auth import ApiKeyMiddleware, ApiKeys
 from .edge.body_limit import BodyLimitMiddleware
 from .edge.errors import ApiError

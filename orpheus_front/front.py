@@ -39,6 +39,7 @@ from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from orpheus_common import connections
 from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, TRY_AGAIN_LATER, error_response, voices_of_header
 from orpheus_common.loop_lag import LoopLag
 from orpheus_common.playground import playground
@@ -325,6 +326,8 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             await client.aclose()
 
     app = FastAPI(title="Orpheus MegaPod front", lifespan=lifespan)
+    app.add_middleware(connections.ConnectionMiddleware)  # a worker's cut passed on (_RelayedResponse._cut)
+    connections.quiet_deliberate_aborts()
     app.state.pool = pool
     app.state.draining = False  # set on SIGTERM (serve_front): /ready says 503 from then on
 
@@ -505,21 +508,33 @@ class _RelayedResponse(StreamingResponse):
     its pool timeout into a 503, for good.
     """
 
-    def __init__(self, upstream: httpx.Response, done: Callable[[], None], headers: dict) -> None:
+    def __init__(self, upstream: httpx.Response, url: str, done: Callable[[], None], headers: dict) -> None:
         super().__init__(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers)
-        self._upstream, self._done = upstream, done
+        self._upstream, self._url, self._done = upstream, url, done
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as streaming:  # the body, until the client leaves
                 streaming.start_soon(_cancel_on_disconnect, receive, streaming.cancel_scope)
                 with contextlib.suppress(OSError):  # a write to a client that left (ASGI 2.4 servers raise)
-                    await self.stream_response(send)
+                    try:
+                        await self.stream_response(send)
+                    except httpx.HTTPError as exc:
+                        self._cut(exc)
                 streaming.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._upstream.aclose()  # closes the worker's connection if its reply is not over
             self._done()
+
+
+    def _cut(self, exc: httpx.HTTPError) -> None:
+        """The worker cut its reply mid-body (a stream that failed after its audio went out ends so, on purpose):
+        the client's body ends without its last chunk too, and that is the one line said of it."""
+        log.warning("worker %s cut its reply mid-body (%s): the client's body ends incomplete too", self._url,
+                    type(exc).__name__)
+        if (connection := connections.current()) is not None:
+            connection.end_response_early()
 
 
 async def _cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], scope: anyio.CancelScope) -> None:
@@ -537,7 +552,7 @@ def _relay(upstream: httpx.Response, url: str, pool: WorkerPool, active: Gauge) 
         active.labels(url).dec()
         pool.release(url)
 
-    return _RelayedResponse(upstream, done, headers)
+    return _RelayedResponse(upstream, url, done, headers)
 
 
 async def _relay_socket(ws: WebSocket, pool: WorkerPool, active: Gauge) -> None:

@@ -230,3 +230,40 @@ async def test_an_engine_ahead_of_real_time_lets_the_limit_grow_under_demand(sna
         assert served.runtime.metrics.registry.get_sample_value("orpheus_capacity_limit_changes_total",
                                                                 {"reason": "growth"}) >= 1
         await asyncio.gather(*held)
+
+
+async def test_a_body_the_worker_cuts_mid_stream_ends_incomplete_at_the_client_with_one_line_said(caplog):
+    """Issue 43, item 4: a worker ends a stream that failed after its audio went out without the body's last chunk
+    (how HTTP says incomplete). The front passes the cut on, its client's body ends incomplete too, and the front
+    says so in one warning: no 'Exception in ASGI application' traceback, no second line from uvicorn."""
+    caplog.set_level(logging.INFO)
+
+    async def cut_worker(scope, receive, send):  # raw ASGI: the start, one chunk, then returns as a cut reply does
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] != "/v1/audio/speech":  # the front's probes: answered whole
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"audio/pcm")]})
+        await send({"type": "http.response.body", "body": b"\x01\x00" * 2048, "more_body": True})
+
+    async with serve_app(cut_worker) as worker_port:
+        async with serve_app(create_front_app([f"http://127.0.0.1:{worker_port}"])) as front_port:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front_port}", timeout=30) as client:
+                got = bytearray()
+                with pytest.raises(httpx.RemoteProtocolError):
+                    async with client.stream("POST", "/v1/audio/speech", json=body()) as reply:
+                        assert reply.status_code == 200
+                        async for chunk in reply.aiter_raw():
+                            got += chunk
+    assert bytes(got) == b"\x01\x00" * 2048, "the audio before the cut reached the client"
+    front_lines = [r.getMessage() for r in caplog.records if r.name == "orpheus_front.front" and "cut" in r.getMessage()]
+    assert len(front_lines) == 1 and "incomplete" in front_lines[0], front_lines
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+    incomplete = [r for r in caplog.records if r.getMessage() == "ASGI callable returned without completing response."]
+    assert len(incomplete) == 1, "the worker double's own line only: the front's deliberate cut is not news"

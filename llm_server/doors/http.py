@@ -20,8 +20,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from orpheus_common import connections
+
 from ..config import LlmServerConfig
-from ..edge import connections
 from ..edge.errors import ApiError
 from ..speech.encoding import SilenceTrim, sse_delta, sse_done, sse_event
 from ..speech.session import Audio, ClientTooSlow, PromptTooLong, Refused, SpeechSession, SpeechSpec

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import connections
+from orpheus_common import connections
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 HEADER = b"x-request-id"

@@ -1,5 +1,6 @@
 """Cutting a response's connection on purpose: a stream that fails after its audio started ends without its last
-chunk (how HTTP says "incomplete"), and a client that stopped reading is dropped at once.
+chunk (how HTTP says "incomplete"), and a client that stopped reading is dropped at once. A worker's doors do it
+(llm_server/doors/http.py), and the front passes a worker's cut on to its client (orpheus_front/front.py).
 
 A pure ASGI middleware keeps the connection's transport (uvicorn's send is a method of its request cycle, which
 holds it) in a context variable for everything the request's task runs; a log filter drops uvicorn's complaint
