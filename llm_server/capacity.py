@@ -186,9 +186,9 @@ class CapacityLimit:
             limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + math.sqrt(limit)))
             reason = GROWTH
         self._hold = max(0, self._hold - 1)
-        if self._codec_trouble and self.limit * CODEC_BACKOFF < limit:
-            limit, reason = self.limit * CODEC_BACKOFF, self._codec_trouble
         if self._codec_trouble:
+            if self.limit * CODEC_BACKOFF < limit:  # the codec's cut binds: the move is the codec's
+                limit, reason = self.limit * CODEC_BACKOFF, self._codec_trouble
             self._codec_trouble, self._hold = None, CODEC_HOLD_WINDOWS
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None

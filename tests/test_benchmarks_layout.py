@@ -1,6 +1,7 @@
 """How the benchmarks are imported: one way, as the package `benchmarks` (installed with the project), by the
 scripts, their tools and the tests alike. No benchmark edits sys.path or imports from tests/, nothing imports a
-benchmark module by its bare name (that only works with its folder on the path), and no import runs in a circle."""
+benchmark module by its bare name (that only works with its folder on the path); no import runs in a circle
+(tests/test_dependencies.py, over the benchmarks and the product)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_graph import import_graph, imports, modules_of
+
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 TESTS = REPO / "tests"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(path): path for path in BENCHMARKS.rglob("*.py")}
+MODULES = modules_of(["benchmarks"])
 BARE = {name.split(".")[1] for name in MODULES if name != "benchmarks"}  # soak, provenance, concurrency_bench ...
 TEST_HELPERS = {path.stem for path in TESTS.glob("*.py")} | {"tests"}
 
 
 def imported(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in the file, lazy ones inside functions too; `from a import b`
-    gives a and, where b is a module, a.b."""
-    package = module_name(path).split(".")[: None if path.name == "__init__.py" else -1]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the file's package, a level up for each dot past the first
-                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
-            found.append((node.lineno, base))
-            found += [(node.lineno, f"{base}.{a.name}") for a in node.names if f"{base}.{a.name}" in MODULES]
-    return found
+    return imports(path, MODULES)
 
 
 def test_no_benchmark_edits_sys_path_or_imports_from_tests():
@@ -60,34 +45,10 @@ def test_benchmark_modules_are_imported_by_their_package_name():
     assert not bare, bare
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {name: {module for _, module in imported(path) if module in MODULES and module != name}
-            for name, path in MODULES.items()}
-
-
 def test_the_walk_sees_imports_inside_functions():
-    graph = import_graph()
+    graph = import_graph(["benchmarks"])
     assert "benchmarks.lora_adapters" in graph["benchmarks.hostile"]  # imported in lora_phases
     assert "benchmarks.concurrency_bench.metrics" in graph["benchmarks.concurrency_bench.load"]  # relative
-
-
-def test_no_import_circle_among_the_benchmarks():
-    graph, circles = import_graph(), []
-
-    def visit(name: str, trail: list[str]) -> None:
-        if name in trail:
-            circles.append(" -> ".join(trail[trail.index(name):] + [name]))
-            return
-        if name in done:
-            return
-        for nxt in sorted(graph[name]):
-            visit(nxt, [*trail, name])
-        done.add(name)
-
-    done: set[str] = set()
-    for name in sorted(graph):
-        visit(name, [])
-    assert not circles, circles
 
 
 def test_the_installed_package_is_this_folder_from_anywhere(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from import_graph import circles, import_graph
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -129,84 +130,6 @@ def test_the_front_extra_is_what_the_front_imports():
 DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten", "together")  # the protocols; http/sockets/models are their kit
 
 
-def module_of(path: Path) -> str:
-    """A product file's dotted module name (a package's __init__ is the package)."""
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def product_modules() -> dict[str, Path]:
-    return {module_of(path): path for package in PRODUCT for path in (REPO / package).rglob("*.py")}
-
-
-def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules a file imports, anywhere in it (relative imports resolved; `from a import b` is the
-    module a.b when b is one, else a)."""
-    here = module_of(path)
-    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
-        else:
-            continue
-        found |= {t for t in targets if t in modules and t != here}
-    return found
-
-
-def import_graph() -> dict[str, set[str]]:
-    modules = product_modules()
-    return {name: imported_modules(path, modules) for name, path in modules.items()}
-
-
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
-
-
 def test_circles_are_found():
     """The check below would see a circle: two modules importing each other, and one through a third."""
     assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
@@ -214,8 +137,8 @@ def test_circles_are_found():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_circle_in_the_product():
-    graph = import_graph()
+def test_no_import_circle_in_the_product_or_the_benchmarks():
+    graph = import_graph([*PRODUCT, "benchmarks"])
     assert "llm_server.speech.stream" in graph["llm_server.speech.session"], "the graph sees relative imports"
     assert not circles(graph), circles(graph)
 
@@ -230,7 +153,7 @@ def test_llm_server_is_in_rooms():
 
 
 def test_the_engine_imports_nothing_above_it_and_no_door_another():
-    graph = import_graph()
+    graph = import_graph(PRODUCT)
     engine = {m: deps for m, deps in graph.items() if m == "llm_server.engine" or m.startswith("llm_server.engine.")}
     assert len(engine) >= 8
     above = ("llm_server.voices", "llm_server.clones", "llm_server.doors", "llm_server.speech")

@@ -24,11 +24,6 @@ HEADER = b"x-request-id"
 _current: ContextVar[str | None] = ContextVar("orpheus_request_id", default=None)
 
 
-def current() -> str | None:
-    """The id of the request being served, if any."""
-    return _current.get()
-
-
 def choose_id(offered: bytes | None) -> str:
     """The client's id if it is [A-Za-z0-9._-]{1,64}; otherwise a fresh one."""
     if offered is not None:
