@@ -11,6 +11,12 @@ repeats both sides of the boundary. Two targets (two URLs, two policies, or one 
 measured interleaved level by level, and the ratios printed. A client-headroom check then drives
 a trivial endpoint with several times the heaviest load, to show the client was not the limit.
 
+`--admission` (issue 43) measures the workers' own admission instead: N_max searched on a stack
+whose limit is pinned, then on a fresh one unconfigured (one level at 90 % of that N_max, while its
+limit is still finding the capacity), on it warm (a search), and at 2x and 3x that N_max, the workers'
+limit, admitted, decoding and queued streams sampled beside every level; it writes the ratios and
+issue 43's acceptance into <prefix>.json, and <prefix>-admission.png (concurrency_bench/admission.py).
+
 Writes <prefix>.json (metadata and one record per level), <prefix>.jsonl (every request's chunk
 timeline) and <prefix>-{ttfa,realtime,throughput}.png. Targets, windows and defaults: see
 benchmarks/README.md. Run from the repository root:
@@ -18,6 +24,7 @@ benchmarks/README.md. Run from the repository root:
     .venv/bin/python benchmarks/concurrency.py --quick                        # CPU smoke, < 10 min
     .venv/bin/python benchmarks/concurrency.py --quick --policy streaming --policy reference
     .venv/bin/python benchmarks/concurrency.py --url http://10.0.0.5:8000 --gpus 8
+    .venv/bin/python benchmarks/concurrency.py --quick --admission            # pinned vs unconfigured
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import provenance
-from benchmarks.concurrency_bench import report
+from benchmarks.concurrency_bench import admission, report
 from benchmarks.concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus
 from benchmarks.concurrency_bench.headroom import headroom_check
 from benchmarks.concurrency_bench.levels import jsonl_rows, level_record
@@ -61,6 +68,8 @@ FULL = {"pace": 1.0, "ttfa_target_s": 0.5, "buffer_s": 0.3, "kinds": "short,medi
 QUICK = {"pace": 0.1, "ttfa_target_s": 5.0, "buffer_s": 3.0, "kinds": "short", "stagger_s": 2.0,
          "warmup_s": 0.0, "window_s": 0.0, "max_n": 16, "max_levels": 12, "max_level_s": 150.0,
          "warmup_requests": 1, "headroom_seconds": 8.0, "megapod_args": "--replicas 1 --enforce-eager true"}
+# --admission is measured at `megapod up`'s defaults (two codec replicas, also under --quick), eager on a CPU.
+ADMISSION_MEGAPOD_ARGS = "--enforce-eager true"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -72,7 +81,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "when no --url)")
     t.add_argument("--megapod-args", default=None,
                    help=f"more `megapod up` flags for every stack started (default {FULL['megapod_args']!r}; "
-                        f"--quick {QUICK['megapod_args']!r})")
+                        f"--quick {QUICK['megapod_args']!r}; --admission {ADMISSION_MEGAPOD_ARGS!r})")
     t.add_argument("--name", action="append", default=[], help="labels of the targets, in order (urls, then policies)")
     t.add_argument("--gpus", action="append", type=int, default=[],
                    help="GPUs each target uses, every tier counted (default: a started stack's own; none for a URL)")
@@ -108,13 +117,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument("--poisson-check", action="store_true",
                    help="after the search, one open-loop level per target at the arrival rate of its N_max")
     s.add_argument("--poisson-window-s", type=float, default=120.0)
+    a = p.add_argument_group("admission (issue 43): the workers' limit pinned, against it unconfigured")
+    a.add_argument("--admission", action="store_true",
+                   help="search N_max on a stack with the limit pinned at --max-n, then on a fresh one unconfigured: "
+                        "one level at 90%% of that N_max, a search (warm), and levels at 2x and 3x it (streaming policy)")
+    a.add_argument("--audio-within-s", type=float,
+                   help="an overload level's clients should get audio within this of their first request "
+                        f"(default {admission.AUDIO_WITHIN_S:g} s / --pace)")
     o = p.add_argument_group("client headroom and output")
     o.add_argument("--headroom-streams", type=int, default=0, help="0: 4x the largest N run, at least 32")
     o.add_argument("--headroom-seconds", type=float)
     o.add_argument("--no-headroom", action="store_true")
-    o.add_argument("--out-prefix", type=Path, help="default benchmarks/results/concurrency-<device>[-a-vs-b][-quick]")
+    o.add_argument("--out-prefix", type=Path,
+                   help="default benchmarks/results/concurrency-<device>[-a-vs-b|-admission][-quick]")
     o.add_argument("--keep-logs", action="store_true", help="keep the stacks' logs (their directory is printed)")
     args = p.parse_args(argv)
+    if args.admission:
+        if args.url or set(args.policy) - {"streaming"} or args.poisson_check:
+            p.error("--admission starts its own stacks (streaming policy) and runs its own levels")
+        args.policy = ["streaming"]
+        if args.megapod_args is None:
+            args.megapod_args = ADMISSION_MEGAPOD_ARGS
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -122,6 +145,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.policy = ["streaming"]
     if len(args.url) + len(args.policy) > 2:
         p.error("one target, or two to compare")
+    if args.admission and args.audio_within_s is None:
+        args.audio_within_s = admission.AUDIO_WITHIN_S / args.pace
     return args
 
 
@@ -135,32 +160,51 @@ class Target:
     stack: LocalStack | None = None
     gpus: int | None = None
     levels: list[dict] = field(default_factory=list)
+    # --admission: the phase its levels are part of now (tags their records and timelines); its workers'
+    # gauges are sampled beside each of them
+    phase: str | None = None
 
 
 def build_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
     names = iter(args.name)
     gpus = iter(args.gpus)
     out, taken = [], set()
-
-    def endpoint(name: str, url: str) -> Endpoint:
-        return Endpoint(name, url.rstrip("/"), args.model, args.voice, args.response_format, args.api_key,
-                        not args.no_seed)
-
-    def search() -> Search:
-        return Search(args.start_n, args.max_n, args.confirm_runs, args.max_levels)
-
     for url in args.url:
         name = next(names, f"url{len(out) + 1}")
-        out.append(Target(name, endpoint(name, url), search(), gpus=next(gpus, None)))
+        out.append(Target(name, _endpoint(args, name, url), _search(args), gpus=next(gpus, None)))
     for policy in args.policy:
         name = next(names, policy)
-        stack = LocalStack(name, [*shlex.split(args.megapod_args), *FIXED_LIMIT.format(n=args.max_n).split(),
-                                  "--codec-policy", policy], log_dir)
-        stack.plan(taken)
-        out.append(Target(name, endpoint(name, stack.url), search(), stack, next(gpus, None)))
+        out.append(stack_target(args, name, [*FIXED_LIMIT.format(n=args.max_n).split(), "--codec-policy", policy],
+                                log_dir, taken, next(gpus, None)))
     if len({t.name for t in out}) != len(out):
         raise SystemExit("targets need distinct names (--name)")
     return out
+
+
+def admission_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
+    """--admission's two stacks, alike but for the pinned limit: [unconfigured, pinned] (the ratios' order)."""
+    taken: set[int] = set()
+    gpus = next(iter(args.gpus), None)
+    pinned = stack_target(args, "pinned", [*FIXED_LIMIT.format(n=args.max_n).split(), "--codec-policy", "streaming"],
+                          log_dir, taken, gpus)
+    return [stack_target(args, "unconfigured", ["--codec-policy", "streaming"], log_dir, taken, gpus), pinned]
+
+
+def stack_target(args: argparse.Namespace, name: str, flags: list[str], log_dir: Path, taken: set[int],
+                 gpus: int | None) -> Target:
+    """A `megapod up` with --megapod-args and `flags`, its ports chosen apart from `taken`."""
+    stack = LocalStack(name, [*shlex.split(args.megapod_args), *flags], log_dir)
+    stack.plan(taken)
+    return Target(name, _endpoint(args, name, stack.url), _search(args), stack, gpus)
+
+
+def _endpoint(args: argparse.Namespace, name: str, url: str) -> Endpoint:
+    return Endpoint(name, url.rstrip("/"), args.model, args.voice, args.response_format, args.api_key,
+                    not args.no_seed)
+
+
+def _search(args: argparse.Namespace) -> Search:
+    return Search(args.start_n, args.max_n, args.confirm_runs, args.max_levels)
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -168,39 +212,61 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> list[Target]:
 
 async def run_search(args: argparse.Namespace, targets: list[Target], corpus: Corpus, rt: Targets, shape: LoadShape,
                      jsonl: Any) -> list[dict]:
-    """Every target's search, interleaved level by level (ABBA order, so drift hits both alike)."""
+    """Every target warmed up, then searched."""
+    await warm_up_targets(args, targets, corpus)
+    return await search_levels(args, targets, corpus, rt, shape, jsonl)
+
+
+async def warm_up_targets(args: argparse.Namespace, targets: Sequence[Target], corpus: Corpus) -> None:
     for target in targets:
         t0 = time.perf_counter()
         await warm_up(target.endpoint, [u.text for u in corpus.utterances[: args.warmup_requests]], 1,
                       args.read_timeout_s)
         print(f"[{target.name}] warmed up: {args.warmup_requests} requests in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
+
+
+async def search_levels(args: argparse.Namespace, targets: list[Target], corpus: Corpus, rt: Targets,
+                        shape: LoadShape, jsonl: Any) -> list[dict]:
+    """Every target's search, interleaved level by level (ABBA order, so drift hits both alike)."""
     levels, round_ = [], 0
     while any(not t.search.done for t in targets):
         for target in targets if round_ % 2 == 0 else targets[::-1]:
             n = target.search.next_level()
             if n is None:
                 continue
-            record, level_run = await measure(target, targets, n, len(target.search.runs.get(n, [])) + 1, corpus,
-                                              rt, shape, jsonl)
-            record["request_s_mean"] = _mean_duration(level_run)
+            record, _ = await run_level(args, target, targets, n, len(target.search.runs.get(n, [])) + 1, corpus,
+                                        rt, shape, jsonl)
             target.search.record(n, record["passed"])
-            target.levels.append(record)
             levels.append(record)
-            print(report.level_line(record), flush=True)
-            if target.stack:  # the cancelled requests of this level must not load the next one
-                record["idle_wait_s"] = round(await target.stack.wait_idle(), 2)
-            await asyncio.sleep(args.settle_s)
         round_ += 1
     return levels
 
 
+async def run_level(args: argparse.Namespace, target: Target, targets: Sequence[Target], n: int, run: int,
+                    corpus: Corpus, rt: Targets, shape: LoadShape, jsonl: Any,
+                    fail_early: bool = True) -> tuple[dict, LevelRun]:
+    """One level run measured and printed, then the stack left to drain and settle."""
+    record, level_run = await measure(target, targets, n, run, corpus, rt, shape, jsonl, fail_early)
+    record["request_s_mean"] = _mean_duration(level_run)
+    target.levels.append(record)
+    print(report.level_line(record), flush=True)
+    if target.stack:  # the cancelled requests of this level must not load the next one
+        record["idle_wait_s"] = round(await target.stack.wait_idle(), 2)
+    await asyncio.sleep(args.settle_s)
+    return record, level_run
+
+
 async def measure(target: Target, targets: Sequence[Target], n: int, run: int, corpus: Corpus, rt: Targets,
-                  shape: LoadShape, jsonl: Any) -> tuple[dict, LevelRun]:
+                  shape: LoadShape, jsonl: Any, fail_early: bool = True) -> tuple[dict, LevelRun]:
     """One level run: its record with the cores every started stack used, its timelines written to `jsonl`."""
     stacks = [t.stack for t in targets if t.stack]
     before = cpu_snapshot(stacks)
-    level_run = await Level(target.endpoint, shape, rt, corpus, n, run).run_level()
+    level = Level(target.endpoint, shape, rt, corpus, n, run, fail_early=fail_early).run_level()
+    if target.phase:  # --admission: the workers' gauges beside the level, their codec failovers over it
+        level_run, sampled = await admission.sampled(target.stack.worker_metrics, level)
+    else:
+        level_run, sampled = await level, {}
     record = level_record(level_run, rt, target.gpus)
     after = cpu_snapshot(stacks)
     record["cores"] = cpu_cores(before, after)
@@ -209,6 +275,9 @@ async def measure(target: Target, targets: Sequence[Target], n: int, run: int, c
         audio_s = sum(n for r in level_run.requests for _, n in r.chunks) / BYTES_PER_AUDIO_S
         record["codec_cpu_s"], record["audio_s"] = round(codec_s, 3), round(audio_s, 3)
     tag = {} if shape.mode == "closed" else {"mode": shape.mode}
+    if target.phase:
+        tag["phase"] = target.phase
+        record.update({"phase": target.phase, **sampled})
     for row in jsonl_rows(level_run):
         jsonl.write(json.dumps({**row, **tag}, separators=(",", ":")) + "\n")
     return record, level_run
@@ -240,6 +309,51 @@ async def poisson_checks(args: argparse.Namespace, targets: list[Target], corpus
     return out
 
 
+def run_admission(args: argparse.Namespace, targets: Sequence[Target], corpus: Corpus, rt: Targets, shape: LoadShape,
+                  jsonl: Any) -> list[dict]:
+    """--admission's phases (concurrency_bench/admission.py), one stack at a time: the pinned one searched and
+    stopped, then the unconfigured one fresh, searched warm and overloaded."""
+    unconfigured, pinned = targets
+    _enter(pinned, admission.PINNED, f"N_max with the limit pinned at {args.max_n}")
+    start_stacks([pinned])
+    levels = asyncio.run(run_search(args, [pinned], corpus, rt, shape, jsonl))
+    pinned.stack.stop()
+    start_stacks([unconfigured])
+    n_pinned = max(pinned.search.n_max, 1)  # with none passing, the comparison fails; its levels still say how
+    return levels + asyncio.run(unconfigured_phases(args, unconfigured, n_pinned, corpus, rt, shape, jsonl))
+
+
+async def unconfigured_phases(args: argparse.Namespace, target: Target, n_pinned: int, corpus: Corpus, rt: Targets,
+                              shape: LoadShape, jsonl: Any) -> list[dict]:
+    """90 % of N_max_pinned at once on the fresh stack (only warmed up: its limit still at the worker's initial one), the
+    search on it warm, then 2x and 3x N_max_pinned (refusals fail them as levels: they run their course)."""
+    await warm_up_targets(args, [target], corpus)
+    n_fresh = admission.fresh_n(n_pinned)
+    _enter(target, admission.FRESH, f"{n_fresh} streams at once ({admission.NMAX_RATIO_MIN:.0%} of N_max_pinned {n_pinned})")
+    levels = [await admission_level(args, target, n_fresh, corpus, rt, shape, jsonl)]
+    _enter(target, admission.WARM, "N_max searched again")
+    levels += await search_levels(args, [target], corpus, rt, shape, jsonl)
+    overload = admission.overload_shape(shape, args.audio_within_s)
+    for k in admission.OVERLOADS:
+        _enter(target, admission.overload_phase(k), f"{k} x N_max_pinned (window {overload.window_s:g} s)")
+        levels.append(await admission_level(args, target, k * n_pinned, corpus, rt, overload, jsonl, fail_early=False))
+    return levels
+
+
+def _enter(target: Target, phase: str, what: str) -> None:
+    target.phase = phase
+    print(f"[{target.name}] {phase}: {what}", file=sys.stderr, flush=True)
+
+
+async def admission_level(args: argparse.Namespace, target: Target, n: int, corpus: Corpus, rt: Targets,
+                          shape: LoadShape, jsonl: Any, fail_early: bool = True) -> dict:
+    """One level outside a search, with what an overload level is judged by."""
+    record, level_run = await run_level(args, target, [target], n, 1, corpus, rt, shape, jsonl, fail_early)
+    record.update(admission.overload_figures(level_run, rt, args.audio_within_s))
+    print(admission.figures_line(record), flush=True)
+    return record
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -247,7 +361,9 @@ def output_prefix(args: argparse.Namespace, targets: Sequence[Target], machine: 
     if args.out_prefix:
         return args.out_prefix
     name = f"concurrency-{report.device_slug(machine)}"
-    if len(targets) == 2:
+    if args.admission:
+        name += "-admission"
+    elif len(targets) == 2:
         name += f"-{targets[0].name}-vs-{targets[1].name}"
     return provenance.REPO_ROOT / "benchmarks" / "results" / (name + ("-quick" if args.quick else ""))
 
@@ -272,17 +388,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       max_level_s=args.max_level_s, read_timeout_s=args.read_timeout_s, seed=args.seed)
     machine = provenance.machine()
     log_dir = Path(tempfile.mkdtemp(prefix="concurrency-bench-"))
-    targets = build_targets(args, log_dir)
+    targets = admission_targets(args, log_dir) if args.admission else build_targets(args, log_dir)
     prefix = output_prefix(args, targets, machine)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     load_start = [round(x, 2) for x in os.getloadavg()]
     result: dict[str, Any] = {"benchmark": "concurrency", "title": _title(args, targets, machine)}
-    failed = False
+    failed, poisson = False, None
     try:
-        start_stacks(targets)
+        if not args.admission:  # its stacks start one after the other
+            start_stacks(targets)
         with open(f"{prefix}.jsonl", "w") as jsonl:
-            levels = asyncio.run(run_search(args, targets, corpus, rt, shape, jsonl))
-            poisson = asyncio.run(poisson_checks(args, targets, corpus, rt, shape, jsonl)) if args.poisson_check else None
+            if args.admission:
+                levels = run_admission(args, targets, corpus, rt, shape, jsonl)
+            else:
+                levels = asyncio.run(run_search(args, targets, corpus, rt, shape, jsonl))
+            if args.poisson_check:
+                poisson = asyncio.run(poisson_checks(args, targets, corpus, rt, shape, jsonl))
     except BaseException:
         failed = True
         for t in targets:
@@ -308,13 +429,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"{headroom['required_buffer_s']['p99']} s, loop lag p99 {headroom['client']['loop_lag_ms']['p99']} ms; "
               f"load vs heaviest level {headroom['load_vs_heaviest_level']}", flush=True)
     summary = summarize(targets)
+    # --admission: its searches compared as two targets; its fresh and overload levels are its own figures
+    searched = [r for r in levels if r.get("phase") in (None, admission.PINNED, admission.WARM)]
+    if args.admission:  # first in the JSON, after the title: what the mode is for
+        by_name = {r["name"]: r for r in summary}
+        result["admission"] = admission.outcome(levels, by_name["pinned"], by_name["unconfigured"],
+                                                args.audio_within_s)
     result.update({
         "provenance": provenance.record(report.PACKAGES, argv),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
         "load_shape": asdict(shape), "targets": asdict(rt), "corpus": corpus.describe(),
         "endpoints": [_describe_target(t) for t in targets],
         "results": summary,
-        "comparison": report.comparison(summary, levels) if len(targets) == 2 else None,
+        "comparison": report.comparison(summary, searched) if len(targets) == 2 else None,
         "poisson_check": poisson,
         "client_headroom": headroom,
         "contention": {"load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
@@ -323,8 +450,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "wall_s": round(time.perf_counter() - t_start, 1),
         "levels": levels,
     })
-    result["files"] = {"jsonl": f"{prefix.name}.jsonl", "plots": [Path(p).name for p in report.plots(result, prefix)]}
-    Path(f"{prefix}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plots = report.plots({**result, "levels": searched}, prefix)
+    if args.admission:
+        plots.append(admission.plot(levels, result["admission"]["n_max_pinned"], f"{prefix}-admission.png",
+                                    result["title"]))
+    result["files"] = {"jsonl": f"{prefix.name}.jsonl", "plots": [Path(p).name for p in plots]}
+    # --admission's levels hold sampled time series: a line each, not a line a value
+    text = report.compact_json(result) if args.admission else json.dumps(result, indent=1) + "\n"
+    Path(f"{prefix}.json").write_text(text)
     print_summary(result, prefix)
     return result
 
@@ -348,6 +481,8 @@ def print_summary(result: dict, prefix: Path) -> None:
         print(f"[{r['name']}] N_max = {r['n_max']}{per_gpu}{note}; levels run {r['levels_run']}")
     if result["comparison"]:
         print(report.comparison_text(result["comparison"]))
+    if "admission" in result:
+        print(admission.summary_text(result["admission"]))
     print(f"wrote {prefix}.json, .jsonl and {len(result['files']['plots'])} plots ({result['wall_s']:.0f} s)")
 
 
@@ -362,7 +497,8 @@ def _describe_target(t: Target) -> dict:
 def _title(args: argparse.Namespace, targets: Sequence[Target], machine: dict) -> str:
     where = machine["gpus"][0] if machine["gpus"] else f"CPU, {machine['cores_usable']} cores"
     pace = f", pace {args.pace:g}x" if args.pace != 1 else ""
-    return f"{' vs '.join(t.name for t in targets)} ({where}{pace})"
+    mode = "admission limit: " if args.admission else ""
+    return f"{mode}{' vs '.join(t.name for t in targets)} ({where}{pace})"
 
 
 if __name__ == "__main__":

@@ -12,15 +12,20 @@ window it moves the limit by the ratio of the measured pace to the target pace,
 
     limit <- streams decoding x pace / target
 
-growing by at most sqrt(limit) a window and only while the limit is in use (the admitted streams
-reached it), shrinking to at most half. Where a step's time is a fixed part plus a
-part per stream (a GPU's: the weights are read once a step, each stream's KV cache once), that estimate
-lies between the current batch and the batch that runs at the target pace: the limit approaches it
-from either side without overshooting (tests/test_capacity.py holds this on such curves). The codec
-tier's headroom counts too: a codec stream failing over (a replica refusing, stalling or gone), or a
-window in which the codec's audio came late (a replica falling behind: runtime.py) shrinks the limit by
-CODEC_BACKOFF, at most once a window, and holds it from growing for CODEC_HOLD_WINDOWS.
-The limit stays within [floor, ceiling].
+growing only while the limit is in use (the admitted streams reached it), shrinking to at most half.
+Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
+cold start the capacity is a few windows away) until the limit is first cut, then at most sqrt(limit) at a
+time above where it was cut, each once the streams the last growth admitted have shown their cost
+(SETTLE_S_AT_REALTIME): the pace cannot see every bottleneck (a codec tier sharing the cores).
+
+Where a step's time is a fixed part plus a part per stream (a GPU's: the weights are read once a step,
+each stream's KV cache once), that estimate lies between the current batch and the batch that runs at
+the target pace: the limit approaches it from either side without overshooting (tests/test_capacity.py
+holds this on such curves). The codec tier's headroom counts too: a codec stream failing over (a
+replica refusing, stalling or gone), or CodecWindow's judgment that the codec delivered its owed audio
+slower than the target pace over enough of it (a replica that cannot keep up, its streams' waits counted
+as they run; not a few late chunks in a burst), shrinks the limit by CODEC_BACKOFF, at most once a
+window, and holds it from growing for CODEC_HOLD_WINDOWS. The limit stays within [floor, ceiling].
 """
 
 from __future__ import annotations
@@ -39,14 +44,19 @@ REALTIME_TOKENS_PER_S = CODES_PER_FRAME * SAMPLE_RATE / FRAME_SAMPLES  # 82.03: 
 # Why the limit moved (CapacityLimit.reason, orpheus_capacity_limit_changes_total{reason}, a log line each time):
 SLOW = "pace_below_target"  # the streams decoding got less than the target pace
 GROWTH = "growth"  # the limit was in use and the pace had room for more
-CODEC_LATE = "codec_late"  # more than codec_late_share of the window's codec chunks came late
+CODEC_LATE = "codec_late"  # the codec delivered owed audio slower than the target pace, over enough chunks
 CODEC_FAILOVER = "codec_failover"  # a codec stream failed over (a replica refused, stalled or went away)
 REASONS = (SLOW, GROWTH, CODEC_LATE, CODEC_FAILOVER)
 CODEC_BACKOFF = 0.9
 CODEC_HOLD_WINDOWS = 5  # after a codec backoff the limit does not grow for this many windows
-# A window ends only once its streams have decoded this many tokens' worth at the target pace (about
-# 24 deliveries of 7): fewer say too little about the pace, and one delivery more or less would move
-# the limit (a CPU's slow-motion target gets windows ten times longer in stream-seconds).
+# Past the slow start, a growth is not followed by another until the streams it admitted have shown what they cost
+# (prompts decoded, their audio at the codec): about a new stream's time to first audio, 0.3 s at real time,
+# divided by the target pace (3 s in a CPU's slow motion, where a window of fast streams closes each second).
+SETTLE_S_AT_REALTIME = 0.3
+# A window ends only once its streams got this many tokens (about 24 deliveries of 7), or decoded as long
+# as that takes at the target pace: fewer say too little about the pace, and one delivery more or less would
+# move the limit. An engine far ahead of the target (a cold start's few streams) gets there in a fraction
+# of the time (a CPU's slow-motion target would otherwise take ten times longer in stream-seconds).
 WINDOW_TOKENS = 170
 
 
@@ -122,6 +132,11 @@ class PaceMeter:
             if started:
                 self.stopped(time.monotonic())
 
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens handed to decoding streams in the window so far."""
+        return self._tokens
+
     def decoded_s(self, now: float) -> float:
         """Stream-seconds of decoding in the window so far."""
         return self._stream_s + self.decoding_now * (now - self._since)
@@ -138,6 +153,48 @@ class PaceMeter:
         self._since = now
 
 
+@dataclass
+class CodecWindow:
+    """What the codec tier did since its last judgment (CodecClient's counts, differenced): failovers, and the
+    chunks of owed audio with their audio (a frame's allowance each) and the waits for owed audio (those still
+    waiting counted up to now, those that ended in a failover too: a stalled replica shows as it stalls)."""
+
+    failovers: int = 0
+    chunks: int = 0
+    late: int = 0  # chunks slower than the target pace on their own (a metric; the judgment is the pace)
+    audio_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def pace(self) -> float | None:
+        """Owed audio over the waits for it: the pace the codec kept while streams waited on it."""
+        return self.audio_s / self.wait_s if self.wait_s > 0 else None
+
+    def enough(self, target_pace: float, judge_chunks: int) -> bool:
+        """Whether the pace can be judged: `judge_chunks` chunks came (0: never judged), or streams waited as long
+        as that many frames' audio takes at the target pace (a codec too slow to deliver many chunks)."""
+        return judge_chunks > 0 and (self.chunks >= judge_chunks or
+                                     self.wait_s * target_pace >= judge_chunks * FRAME_SAMPLES / SAMPLE_RATE)
+
+    def trouble(self, target_pace: float, judge_chunks: int) -> str | None:
+        """CODEC_FAILOVER after a failover; CODEC_LATE once enough() says so and the owed audio came, together,
+        slower than `target_pace`: a replica that cannot keep up, where one burst's late chunks are made up
+        by the rest; None otherwise (and while too little came to say: the counts go on adding up)."""
+        if self.failovers:
+            return CODEC_FAILOVER
+        if self.enough(target_pace, judge_chunks) and self.pace is not None and self.pace < target_pace:
+            return CODEC_LATE
+        return None
+
+    def judged(self, target_pace: float, judge_chunks: int) -> bool:
+        """Whether this window's counts were judged (a failover, or enough): the next one starts anew."""
+        return bool(self.failovers) or self.enough(target_pace, judge_chunks) or not judge_chunks
+
+    def __sub__(self, other: CodecWindow) -> CodecWindow:
+        return CodecWindow(self.failovers - other.failovers, self.chunks - other.chunks, self.late - other.late,
+                           self.audio_s - other.audio_s, self.wait_s - other.wait_s)
+
+
 class CapacityLimit:
     """The number of streams admitted at once, moved each window by the pace the engine kept."""
 
@@ -151,15 +208,20 @@ class CapacityLimit:
         self._codec_trouble: str | None = None  # CODEC_LATE or CODEC_FAILOVER, until the next window
         self.reason: str | None = None  # why the last update moved the limit (None: it did not)
         self._hold = 0  # windows left without growth after a codec backoff
+        # Slow start, as TCP's: the limit doubles a window below this (at first: everywhere), and grows by its
+        # square root above it, which is where it was last cut (a cut says where the capacity is).
+        self._slow_start_below = math.inf
+        self._settling_s = 0.0  # seconds of windows left before the next careful growth
 
     @property
     def streams(self) -> int:
         """The whole streams the limit admits."""
         return int(self.limit)
 
-    def enough(self, stream_s: float) -> bool:
-        """Whether a window with this much decoding says enough about the pace (WINDOW_TOKENS' worth)."""
-        return stream_s >= self._window_stream_s
+    def enough(self, stream_s: float, tokens: int) -> bool:
+        """Whether a window with this much decoding says enough about the pace: WINDOW_TOKENS tokens, or the
+        stream-seconds they take at the target pace (an engine behind it is judged in that time)."""
+        return tokens >= WINDOW_TOKENS or stream_s >= self._window_stream_s
 
     def idle(self) -> None:
         """Nothing decodes: no pace to show (an old one would hold an alert up)."""
@@ -175,16 +237,21 @@ class CapacityLimit:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
         the limit: demand met it, and every stream past it was refused); `admitted`: now. Returns the
         new limit. A window without enough decoding changes nothing."""
-        pace = window.pace if self.enough(window.stream_s) else None
+        pace = window.pace if self.enough(window.stream_s, window.tokens) else None
         limit, reason = self.limit, None
         self.pace = pace
+        self._settling_s -= window.elapsed_s
         if pace is not None and pace < self.target_pace:
             # Too slow for the streams decoding: the limit those streams would keep at the target.
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace)), SLOW
         elif pace is not None and peak_admitted >= self.streams >= admitted and not self._hold:
             # In use, and not still over it after a decrease (the streams past it are yet to end).
-            limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + math.sqrt(limit)))
-            reason = GROWTH
+            careful = limit >= self._slow_start_below
+            if not careful or self._settling_s <= 0:
+                step = math.sqrt(limit) if careful else limit
+                limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
+                reason = GROWTH
+                self._settling_s = SETTLE_S_AT_REALTIME / self.target_pace if careful else 0.0
         self._hold = max(0, self._hold - 1)
         if self._codec_trouble:
             if self.limit * CODEC_BACKOFF < limit:  # the codec's cut binds: the move is the codec's
@@ -192,6 +259,8 @@ class CapacityLimit:
             self._codec_trouble, self._hold = None, CODEC_HOLD_WINDOWS
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
+        if self.limit < before:  # trouble found the capacity: from here on, growth is careful
+            self._slow_start_below = min(self._slow_start_below, self.limit)
         return self.limit
 
 

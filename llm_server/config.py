@@ -36,6 +36,8 @@ def parse_aliases(text: str) -> dict[str, str]:
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes (vllm/config/lora.py)
 GPU_TARGET_PACE = 1.05  # streams decode 5% ahead of real time
 CPU_TARGET_PACE = 0.105  # a tenth of that: slow motion
+ADMISSION_QUEUE_S = 0.3  # the longest wait for a slot at the GPU's target pace (slowed as the target is)
+CODEC_STALL_TIMEOUT_S = 10.0  # owed codec audio none for this long at the GPU's target pace: a hung replica
 
 
 class LlmServerConfig(Settings):
@@ -70,17 +72,18 @@ class LlmServerConfig(Settings):
     # Codec tier
     snac: str = "127.0.0.1:50051"  # host:port[,host:port...] or a DNS name resolving to replicas
     codec_policy: Policy = "streaming"  # reference: for comparison
-    # A codec stream owed audio that gets none for this long fails over (a hung replica).
-    codec_stall_timeout_s: float = Field(10.0, gt=0)
+    # Owed audio none for this long: the replica is hung and the stream resumes on another. Unset: 10 s on a GPU,
+    # slowed as the target pace is (100 s on a CPU, whose codec serves in slow motion by design, not hung).
+    codec_stall_timeout_s: float | None = Field(None, gt=0)
     # TLS to the codec tier: a CA file turns it on; cert+key add a client certificate.
     codec_tls_ca: str = ""
     codec_tls_cert: str = ""
     codec_tls_key: str = ""
     codec_tls_server_name: str = ""  # the name replicas' certificates carry, if not the address
     # Admission and input limits
-    # The streams admitted at once follow the pace the engine keeps (capacity.py): from initial_streams (few:
-    # the limit then rises to what the engine keeps in real time, growing by at most its square root a window),
-    # between min_streams (never above the ceiling) and max_streams (default: the engine's max_num_seqs, a
+    # The streams admitted at once follow the pace the engine keeps (capacity.py): from initial_streams (few: the
+    # limit then rises to what the engine keeps in real time, doubling a window until first cut, then by at most
+    # its square root), between min_streams (never above the ceiling) and max_streams (default: the engine's max_num_seqs, a
     # ceiling only). The limit moves each capacity_window_s towards the streams that decode at target_pace x
     # real time. min_streams = max_streams: a fixed limit.
     max_streams: int | None = Field(None, ge=1)
@@ -90,9 +93,12 @@ class LlmServerConfig(Settings):
     # in slow motion, the pace benchmarks/concurrency.py --quick judges it by).
     target_pace: float | None = Field(None, gt=0)
     capacity_window_s: float = Field(1.0, gt=0)
-    # More than this share of a window's codec chunks slower than the target pace (a replica behind) shrinks
-    # the limit as a codec failover does; 1: never.
-    codec_late_share: float = Field(0.05, gt=0, le=1)
+    # Past the limit a request waits this long at most for a slot, first come first served (admission.py), then
+    # is refused with 429. Unset: 0.3 s on a GPU, slowed as the target pace is (3 s on a CPU); 0: never.
+    admission_queue_s: float | None = Field(None, ge=0)
+    # The codec's owed audio delivered slower than the target pace over this many chunks (a replica that cannot
+    # keep up: capacity.CodecWindow) shrinks the limit as a codec failover does; 0: never judged.
+    codec_judge_chunks: int = Field(100, ge=0)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536
@@ -177,6 +183,20 @@ class LlmServerConfig(Settings):
         if self.target_pace is not None:
             return self.target_pace
         return CPU_TARGET_PACE if self.resolved_device == "cpu" else GPU_TARGET_PACE
+
+    @property
+    def resolved_codec_stall_timeout_s(self) -> float:
+        """codec_stall_timeout_s, or its default for the target pace."""
+        if self.codec_stall_timeout_s is not None:
+            return self.codec_stall_timeout_s
+        return CODEC_STALL_TIMEOUT_S * GPU_TARGET_PACE / self.resolved_target_pace
+
+    @property
+    def resolved_admission_queue_s(self) -> float:
+        """admission_queue_s, or its default for the target pace."""
+        if self.admission_queue_s is not None:
+            return self.admission_queue_s
+        return ADMISSION_QUEUE_S * GPU_TARGET_PACE / self.resolved_target_pace
 
     @property
     def stream_floor(self) -> int:

@@ -50,10 +50,16 @@ class LlmMetrics:
                                     ["key", "outcome"], registry=r)
         # cause: capacity (the worker's measured limit), key (an API key's own cap)
         self.refusals = Counter("megapod_worker_refusals", "Streams refused at admission, by cause", ["cause"], registry=r)
-        self.codec_late_chunks = Counter("orpheus_codec_late_chunks", "Codec audio chunks that came slower than the "
-                                         "target pace: a codec tier without headroom", registry=r)
+        self.codec_late_chunks = Counter("orpheus_codec_late_chunks", "Codec audio chunks owed that came slower than "
+                                         "the target pace on their own (admission judges the pace over many)", registry=r)
+        self.codec_failovers = Counter("orpheus_codec_failovers", "Codec streams that failed over to another replica "
+                                       "(one refused, stalled past the stall timeout, or went away)", registry=r)
         self.capacity = Gauge("megapod_worker_capacity_streams", "Streams this worker admits at once now (the "
                               "measured limit, llm_server/capacity.py)", registry=r)
+        self.decoding = Gauge("megapod_worker_decoding_streams", "Streams whose engine request is decoding now (the "
+                              "batch the pace is measured on)", registry=r)
+        self.queued = Gauge("megapod_worker_queued_streams", "Requests waiting in the admission queue for a slot",
+                            registry=r)
         # The autoscaler's metric: a fixed active-stream target was wrong wherever the measured limit is not it.
         self.capacity_used = Gauge("megapod_worker_capacity_used_ratio", "Streams held over the streams admitted at "
                                    "once now (above 1 while the limit falls below what was admitted)", registry=r)

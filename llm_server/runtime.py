@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
-from .capacity import CODEC_FAILOVER, CODEC_LATE, CapacityLimit, PaceMeter
+from .capacity import CapacityLimit, CodecWindow, PaceMeter
 from .config import LlmServerConfig
 from .engine import Engine
 from .engine.model_source import resolve_model
@@ -30,7 +30,7 @@ def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
     return CodecClientConfig(
         addresses=config.snac,
         policy=POLICIES[config.codec_policy],
-        stall_timeout_s=config.codec_stall_timeout_s,
+        stall_timeout_s=config.resolved_codec_stall_timeout_s,
         target_pace=config.resolved_target_pace,  # audio slower than this is late: the codec tier is behind
         tls_ca=config.codec_tls_ca,
         tls_cert=config.codec_tls_cert,
@@ -39,10 +39,9 @@ def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
     )
 
 
-def codec_in_trouble(failovers: int, deliveries: int, late: int, late_share: float) -> bool:
-    """Whether a window's codec streams say the codec tier has no headroom: a failover, or more than
-    `late_share` of its chunks late (one late chunk among many is a hiccup, not a replica behind)."""
-    return failovers > 0 or late > late_share * deliveries
+def codec_counts(codec: CodecClient) -> CodecWindow:
+    """The codec client's counts since it started, as a CodecWindow (differences of two are a window)."""
+    return CodecWindow(codec.failovers, codec.deliveries, codec.late, codec.owed_audio_s, codec.owed_wait_s)
 
 
 def lora_enabled(config: LlmServerConfig) -> bool:
@@ -108,6 +107,8 @@ class Runtime:
         admission = AdmissionController(limit, PaceMeter(time.monotonic()))
         metrics.capacity.set_function(lambda: admission.max_streams)
         metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
+        metrics.decoding.set_function(lambda: admission.meter.decoding_now)
+        metrics.queued.set_function(lambda: admission.queued)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
         decoder = ReferenceDecoder(ReferenceBounds(max_s=config.max_reference_s), config.reference_decode_timeout_s,
@@ -130,36 +131,41 @@ class Runtime:
                 log.exception("reading the voices directory %s failed; its voices stay as they were", self.config.voices_dir)
 
     async def watch_capacity(self) -> None:
-        """Move the admission limit every capacity_window_s, by the pace measured and the codec tier's trouble:
-        a failover, or more than codec_late_share of the window's codec chunks late (a replica behind)."""
-        failovers, deliveries, late = self.codec.failovers, self.codec.deliveries, self.codec.late
-        codec = (0, 0, 0)  # failovers, deliveries and late chunks of the codec trouble not yet acted on
+        """Move the admission limit every capacity_window_s, by the pace measured and the codec tier's trouble: a
+        failover, or owed audio delivered slower than the target pace over codec_judge_chunks chunks (CodecWindow)."""
+        counted = judged = codec_counts(self.codec)  # the counts last exported, and at the last judgment
+        codec = CodecWindow()  # the codec trouble the next move answers (its log line's figures)
         while True:
             await asyncio.sleep(self.config.capacity_window_s)
             try:  # a failure here must not freeze the limit for the worker's life
-                seen = (self.codec.failovers - failovers, self.codec.deliveries - deliveries, self.codec.late - late)
-                self.metrics.codec_late_chunks.inc(seen[2])
-                if codec_in_trouble(*seen, self.config.codec_late_share):
-                    self.admission.limit.codec_trouble(CODEC_FAILOVER if seen[0] else CODEC_LATE)
-                    codec = tuple(a + b for a, b in zip(codec, seen))  # what the next window's move answers
-                failovers, deliveries, late = self.codec.failovers, self.codec.deliveries, self.codec.late
+                now = codec_counts(self.codec)
+                self.metrics.codec_late_chunks.inc(now.late - counted.late)
+                self.metrics.codec_failovers.inc(now.failovers - counted.failovers)
+                counted, pending = now, now - judged
+                trouble = pending.trouble(self.config.resolved_target_pace, self.config.codec_judge_chunks)
+                if trouble is not None:
+                    self.admission.limit.codec_trouble(trouble)
+                    codec = pending
+                if pending.judged(self.config.resolved_target_pace, self.config.codec_judge_chunks):
+                    judged = now
                 before = self.admission.max_streams
                 window = self.admission.end_window(time.monotonic())
                 if window is not None:
                     if self.admission.limit.reason is not None:
                         self._limit_moved(before, window, codec)
-                    codec = (0, 0, 0)
+                    codec = CodecWindow()
             except Exception:
                 log.exception("moving the admission limit failed; it stays at %d", self.admission.max_streams)
 
-    def _limit_moved(self, before: int, window, codec: tuple[int, int, int]) -> None:
+    def _limit_moved(self, before: int, window, codec: CodecWindow) -> None:
         """Count and log why the limit moved, with the figures it moved by."""
         limit = self.admission.limit
         self.metrics.limit_changes.labels(limit.reason).inc()
         pace = "-" if window.pace is None else f"{window.pace:.2f}"
+        codec_pace = "-" if codec.pace is None else f"{codec.pace:.2f}"
         log.info("admission limit %d -> %d streams: %s (pace %s against a target of %.2f, %.1f streams decoding; codec: "
-                 "%d failovers, %d of %d chunks late)", before, limit.streams, limit.reason, pace, limit.target_pace,
-                 window.mean_decoding, codec[0], codec[2], codec[1])
+                 "%d failovers, pace %s over %d chunks, %d of them late)", before, limit.streams, limit.reason, pace,
+                 limit.target_pace, window.mean_decoding, codec.failovers, codec_pace, codec.chunks, codec.late)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

@@ -40,7 +40,14 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orpheus_common import connections
-from orpheus_common.http import CAPACITY_FREE, LOADED_VOICES, TRY_AGAIN_LATER, error_response, voices_of_header
+from orpheus_common.http import (
+    ADMISSION_WAIT,
+    CAPACITY_FREE,
+    LOADED_VOICES,
+    TRY_AGAIN_LATER,
+    error_response,
+    voices_of_header,
+)
 from orpheus_common.loop_lag import LoopLag
 from orpheus_common.playground import playground
 from orpheus_common.settings import Settings
@@ -350,6 +357,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers,
                                                                   timeout=timeout), stream=True)
+                headers[ADMISSION_WAIT] = "0"  # only the first choice (the most free) queues a request at its limit
             except httpx.HTTPError as exc:  # refused (a worker that left or is draining), or no connection in time
                 pool.release(url)
                 log.warning("worker %s unreachable (connect allowed %.0f s): %r", url, timeout.connect, exc)

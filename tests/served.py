@@ -124,6 +124,7 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
     # A fixed limit (min_streams = max_streams) unless a test asks otherwise: the engine double's pace is no GPU's.
     overrides.setdefault("max_streams", 64)
     overrides.setdefault("min_streams", overrides["max_streams"])
+    overrides.setdefault("admission_queue_s", 0.0)  # refused at once past the limit, unless a test asks for the queue
     config = LlmServerConfig(host="127.0.0.1", port=0, **{"snac": snac_server.address, **overrides})
     engine = engine or ScriptedEngineDouble()
     runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble(), model_dir)

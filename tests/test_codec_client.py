@@ -180,3 +180,14 @@ async def test_a_cancel_ends_a_stream_whose_call_is_still_waiting_for_a_replica(
     await asyncio.wait_for(stream.send(random_frames(2, seed=2)), 30)
     await asyncio.wait_for(stream.end(), 30)
     await client.close()
+
+
+def test_the_stall_timeout_and_the_admission_wait_are_slowed_as_the_target_pace_is():
+    """On a CPU (slow motion, target 0.105) a first chunk takes two decode rounds of seconds each: a 10 s stall
+    timeout failed healthy replicas over (26 of 39 failovers in an overload run, all at sample 0)."""
+    gpu, cpu = LlmServerConfig(target_pace=1.05), LlmServerConfig(target_pace=0.105)
+    assert gpu.resolved_codec_stall_timeout_s == pytest.approx(10.0)
+    assert cpu.resolved_codec_stall_timeout_s == pytest.approx(100.0)
+    assert codec_client_config(cpu).stall_timeout_s == pytest.approx(100.0)
+    assert (gpu.resolved_admission_queue_s, cpu.resolved_admission_queue_s) == pytest.approx((0.3, 3.0))
+    assert LlmServerConfig(codec_stall_timeout_s=2.0, target_pace=0.105).resolved_codec_stall_timeout_s == 2.0

@@ -208,10 +208,10 @@ def trivial_endpoint(tmp_path_factory):
     endpoint.stop(timeout_s=10)
 
 
-def _level(url: str, targets: Targets) -> tuple[dict, LevelRun]:
+def _level(url: str, targets: Targets, fail_early: bool = True) -> tuple[dict, LevelRun]:
     corpus = load_corpus(kinds=("short",))
     shape = LoadShape(stagger_s=0.2, warmup_s=0.0, window_s=0.0, max_level_s=30.0, read_timeout_s=10.0)
-    run = asyncio.run(Level(Endpoint("trivial", url), shape, targets, corpus, 3).run_level())
+    run = asyncio.run(Level(Endpoint("trivial", url), shape, targets, corpus, 3, fail_early=fail_early).run_level())
     return level_record(run, targets, None), run
 
 
@@ -235,6 +235,14 @@ def test_level_fails_early_when_streams_run_dry(trivial_endpoint):
     assert record["ended_by"] == "failed early"
     assert any("not real time" in r for r in record["reasons"])
     assert record["wall_s"] < 1.5  # a 1 s request takes ~2 s at half speed: it did not wait for the end
+
+
+def test_level_told_not_to_fail_early_runs_its_course(trivial_endpoint):
+    # The same doomed level as above, as --admission's overload levels run: to the end of its counted requests.
+    record, run = _level(trivial_endpoint, Targets(ttfa_s=1.0, buffer_s=0.1, pace=1.0), fail_early=False)
+    assert not record["passed"] and record["ended_by"] == "complete"
+    assert all(r.completed for r in run.counted)  # each 1 s request ran its ~2 s at half speed
+    assert record["wall_s"] >= 1.5
 
 
 def test_the_benchmark_writes_its_json_timelines_and_plots(trivial_endpoint, tmp_path):

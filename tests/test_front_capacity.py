@@ -5,7 +5,7 @@ the front sends each stream to the worker with the most free capacity.
 The worker runs in-process (tests/served.py: the real app and runtime over an engine double that is
 slower or faster than real time, a real codec server); the front's choice is tested on its pool and on
 the real front app over two worker doubles that report their capacity. The engine's pace is what these
-tests hold, so the codec's lateness is left out (codec_late_share 1): an in-process CPU codec beside the
+tests hold, so the codec's pace is not judged (codec_judge_chunks 0): an in-process CPU codec beside the
 other tests need not keep 1.05 x real time (tests/test_codec_faults.py holds the lateness signal)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from served import ScriptedEngineDouble, body, serve_app, serving
 from websockets.asyncio.client import connect
 
-from orpheus_common.http import CAPACITY_FREE
+from orpheus_common.http import ADMISSION_WAIT, CAPACITY_FREE
 from orpheus_front import front as front_module
 from orpheus_front.front import WorkerPool, create_front_app, requested_voice
 
@@ -192,7 +192,7 @@ async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusal
     caplog.set_level(logging.INFO, logger="llm_server.runtime")
     engine = ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.2)  # 7 tokens / 0.2 s
     async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4, target_pace=1.05,
-                       capacity_window_s=0.25, codec_late_share=1.0) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                       capacity_window_s=0.25, codec_judge_chunks=0) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
         admission, registry = served.runtime.admission, served.runtime.metrics.registry
         streams = [asyncio.create_task(http.post("/v1/audio/speech", json=body())) for _ in range(4)]
         await _until(lambda: admission.active == 4)
@@ -219,7 +219,7 @@ async def test_an_engine_ahead_of_real_time_lets_the_limit_grow_under_demand(sna
     is admitted on a later try, never past the ceiling."""
     engine = ScriptedEngineDouble(frames=200, frames_per_batch=2, batch_delay_s=0.05)  # 5 s streams
     async with serving(snac_server, engine, max_streams=3, min_streams=1, initial_streams=2, target_pace=1.05,
-                       capacity_window_s=0.5, codec_late_share=1.0) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                       capacity_window_s=0.5, codec_judge_chunks=0) as served, httpx.AsyncClient(base_url=served.url, timeout=60) as http:
         admission = served.runtime.admission
         held = [asyncio.create_task(http.post("/v1/audio/speech", json=body())) for _ in range(2)]
         await _until(lambda: admission.active == 2)
@@ -267,3 +267,42 @@ async def test_a_body_the_worker_cuts_mid_stream_ends_incomplete_at_the_client_w
     assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
     incomplete = [r for r in caplog.records if r.getMessage() == "ASGI callable returned without completing response."]
     assert len(incomplete) == 1, "the worker double's own line only: the front's deliberate cut is not news"
+
+
+async def test_a_request_past_the_limit_waits_for_the_slot_that_frees_instead_of_a_429(snac_server):
+    """Issue 43, fairness: past the limit an HTTP request waits in the worker's queue (admission_queue_s) and gets
+    the slot the next stream to end gives back; the queue shows on /metrics; past its wait it is refused, with
+    nothing held."""
+    engine = ScriptedEngineDouble(frames=40, frames_per_batch=1, batch_delay_s=0.05)  # 2 s streams
+    async with serving(snac_server, engine, max_streams=1, admission_queue_s=30.0) as served, \
+            httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        admission, registry = served.runtime.admission, served.runtime.metrics.registry
+        first = asyncio.create_task(http.post("/v1/audio/speech", json=body()))
+        await _until(lambda: admission.active == 1)
+        second = asyncio.create_task(http.post("/v1/audio/speech", json=body()))
+        await _until(lambda: admission.queued == 1)
+        assert registry.get_sample_value("megapod_worker_queued_streams") == 1
+        no_wait = await http.post("/v1/audio/speech", json=body(), headers={ADMISSION_WAIT: "0"})
+        assert no_wait.status_code == 429, "a caller that asks not to wait (the front, for its other workers) is not queued"
+        replies = await asyncio.gather(first, second)
+        assert [r.status_code for r in replies] == [200, 200] and all(len(r.content) > 0 for r in replies)
+        assert admission.active == 0 and admission.queued == 0
+        assert registry.get_sample_value("megapod_worker_refusals_total", {"cause": "capacity"}) == 1
+
+
+async def test_the_front_lets_only_its_first_choice_of_worker_queue_a_request():
+    """Every worker at its limit: the request may wait at the first worker tried (the most free); the others are
+    asked not to queue it (ADMISSION_WAIT 0), so it waits once and not once a worker."""
+    asked: list[str | None] = []
+    app = FastAPI()
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        asked.append(request.headers.get(ADMISSION_WAIT))
+        return Response(b"{}", 429, {CAPACITY_FREE: "0"}, media_type="application/json")
+
+    async with serve_app(app) as one, serve_app(app) as two, serve_app(app) as three:
+        front = create_front_app([f"http://127.0.0.1:{port}" for port in (one, two, three)])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://front") as client:
+            assert (await client.post("/v1/audio/speech", json=body())).status_code == 429
+    assert asked == [None, "0", "0"]

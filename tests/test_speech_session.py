@@ -103,17 +103,17 @@ def by_segment(events: list) -> list[tuple[list[Audio], Words, SegmentEnd]]:
 
 async def test_a_session_past_the_workers_limit_is_refused_and_counted(snac_server):
     async with assembled(snac_server, max_streams=2) as runtime:
-        held = [SpeechSession.open(runtime, spec(runtime), None, f"held-{i}") for i in range(2)]
+        held = [await SpeechSession.open(runtime, spec(runtime), None, f"held-{i}") for i in range(2)]
         assert runtime.admission.active == 2 and active_streams(runtime) == 2
         with pytest.raises(Refused) as refused:
-            SpeechSession.open(runtime, spec(runtime), None, "one-too-many")
+            await SpeechSession.open(runtime, spec(runtime), None, "one-too-many")
         assert refused.value.by_key is False
         assert "limit of 2" in str(refused.value)
         assert counted(runtime, "refused") == 1
         assert runtime.metrics.registry.get_sample_value("megapod_worker_refusals_total", {"cause": "capacity"}) == 1
         assert runtime.admission.active == 2 and active_streams(runtime) == 2  # the refused one took nothing
         await held[0].close()
-        again = SpeechSession.open(runtime, spec(runtime), None, "after-a-close")  # the slot given back is taken
+        again = await SpeechSession.open(runtime, spec(runtime), None, "after-a-close")  # the slot given back is taken
         for session in (held[1], again):
             await session.close()
         assert runtime.admission.active == 0 and active_streams(runtime) == 0
@@ -122,15 +122,15 @@ async def test_a_session_past_the_workers_limit_is_refused_and_counted(snac_serv
 async def test_a_keys_own_cap_refuses_by_key_while_the_worker_has_room(snac_server):
     alice = ApiKey("alice", b"alice-secret-1", max_streams=1)
     async with assembled(snac_server, max_streams=4) as runtime:
-        first = SpeechSession.open(runtime, spec(runtime), alice, "alice-1")
+        first = await SpeechSession.open(runtime, spec(runtime), alice, "alice-1")
         with pytest.raises(Refused) as refused:
-            SpeechSession.open(runtime, spec(runtime), alice, "alice-2")
+            await SpeechSession.open(runtime, spec(runtime), alice, "alice-2")
         assert refused.value.by_key is True
         assert "'alice'" in str(refused.value) and "limit of 1" in str(refused.value)
         registry = runtime.metrics.registry
         assert registry.get_sample_value("orpheus_key_requests_total", {"key": "alice", "outcome": "refused_key"}) == 1
         assert registry.get_sample_value("megapod_worker_refusals_total", {"cause": "key"}) == 1
-        other = SpeechSession.open(runtime, spec(runtime), None, "anonymous")  # the worker itself has room
+        other = await SpeechSession.open(runtime, spec(runtime), None, "anonymous")  # the worker itself has room
         assert runtime.admission.active_per_key == {"alice": 1} and runtime.admission.active == 2
         await first.close()
         assert runtime.admission.active_per_key == {}
@@ -140,7 +140,7 @@ async def test_a_keys_own_cap_refuses_by_key_while_the_worker_has_room(snac_serv
 async def test_close_gives_the_slot_back_and_counts_the_outcome_exactly_once(snac_server):
     key = ApiKey("bob", b"bob-secret-12", max_streams=2)
     async with assembled(snac_server, max_streams=3) as runtime:
-        sessions = [SpeechSession.open(runtime, spec(runtime), key, f"twice-{i}") for i in range(2)]
+        sessions = [await SpeechSession.open(runtime, spec(runtime), key, f"twice-{i}") for i in range(2)]
         await sessions[0].close()
         await sessions[0].close()  # a door's cleanup and a disconnect handler both closing
         assert runtime.admission.active == 1 and runtime.admission.active_per_key == {"bob": 1}
@@ -160,7 +160,7 @@ async def test_close_gives_the_slot_back_and_counts_the_outcome_exactly_once(sna
 async def test_say_speaks_the_text_sentence_by_sentence_in_order(snac_server):
     async with assembled(snac_server) as runtime:
         engine = runtime.engine
-        session = SpeechSession.open(runtime, spec(runtime), None, "say")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "say")
         session.say("  ".join(SENTENCES))
         assert session.segments == 3 and session.pending_text == ""
         events = await read_all(session)
@@ -177,7 +177,7 @@ async def test_say_speaks_the_text_sentence_by_sentence_in_order(snac_server):
 async def test_push_speaks_only_complete_segments_and_flush_and_end_input_the_rest(snac_server):
     async with assembled(snac_server) as runtime:
         engine = runtime.engine
-        session = SpeechSession.open(runtime, spec(runtime), None, "push")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "push")
         session.push("The first sentence")
         session.push(" is spoken")
         assert session.segments == 0 and session.pending_text == "The first sentence is spoken"
@@ -202,7 +202,7 @@ async def test_push_speaks_only_complete_segments_and_flush_and_end_input_the_re
 
 async def test_each_segment_has_its_audio_then_words_timed_inside_that_audio(snac_server):
     async with assembled(snac_server) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "words")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "words")
         session.say(" ".join(SENTENCES))
         segments = by_segment(await read_all(session))
         assert len(segments) == 3
@@ -229,7 +229,7 @@ async def test_each_segment_has_its_audio_then_words_timed_inside_that_audio(sna
 
 async def test_a_full_read_is_ok_and_a_later_cancel_leaves_it_so(snac_server):
     async with assembled(snac_server) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "ok")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "ok")
         session.say(SENTENCES[0])
         assert session.outcome == "disconnected"  # until the stream ends otherwise
         await read_all(session)
@@ -243,7 +243,7 @@ async def test_cancel_mid_stream_aborts_the_engine_request_and_releases_the_code
     engine = ScriptedEngineDouble(frames=100_000)  # would run for minutes: only the cancel ends it
     assert await codec_streams_left(snac_server) == 0  # what earlier tests' streams held is given back
     async with assembled(snac_server, engine) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "barge-in")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "barge-in")
         session.say(SENTENCES[0])
         events = session.events()
         first = await anext(events)
@@ -263,7 +263,7 @@ async def test_cancel_mid_stream_aborts_the_engine_request_and_releases_the_code
 
 async def test_a_prompt_too_long_for_the_context_is_invalid_input_before_the_engine_sees_it(snac_server):
     async with assembled(snac_server, max_model_len=48, max_segment_chars=280) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "too-long")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "too-long")
         session.say("This sentence is far too long for a context of forty-eight tokens.")
         with pytest.raises(PromptTooLong) as failure:
             await read_all(session)
@@ -279,7 +279,7 @@ async def test_an_engine_failure_is_an_error_the_client_hears_of(snac_server):
     engine = ScriptedEngineDouble(frames=FRAMES, fail_after_frames=2)
     engine.fail_gate.set()
     async with assembled(snac_server, engine) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "fails")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "fails")
         session.say(SENTENCES[0])
         with pytest.raises(EngineError) as failure:
             await read_all(session)
@@ -292,7 +292,7 @@ async def test_an_engine_failure_is_an_error_the_client_hears_of(snac_server):
 
 async def test_a_failure_after_a_cancel_is_not_told(snac_server):
     async with assembled(snac_server) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "cancel-then-fail")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "cancel-then-fail")
         session.say(SENTENCES[0])
         session.cancel("disconnected")
         assert session.failed(PromptTooLong("an echo of the cancel")) is False
@@ -307,7 +307,7 @@ async def test_a_failure_after_a_cancel_is_not_told(snac_server):
 
 async def test_send_counts_what_the_client_took_and_cuts_off_a_client_too_slow(snac_server):
     async with assembled(snac_server, max_client_lag_s=0.05) as runtime:
-        session = SpeechSession.open(runtime, spec(runtime), None, "slow")
+        session = await SpeechSession.open(runtime, spec(runtime), None, "slow")
         session.say(SENTENCES[0])
         taken = []
 

@@ -8,7 +8,8 @@ counted) until every counted request has ended, then everything still open is ca
 
 A level ends early once its counted requests already miss a target for certain (a stream ran
 dry, errors past the allowed share, too many slow first audios): on a slow CPU a failing level
-would otherwise take minutes to run to its end.
+would otherwise take minutes to run to its end. A level told not to (`fail_early=False`: an
+overload level, which its refusals fail at once, is judged by other figures) runs its course.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class Level:
     """One run of one level against one endpoint."""
 
     def __init__(self, endpoint: Endpoint, shape: LoadShape, targets: Targets, corpus: Corpus, n: int, run: int = 1,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, fail_early: bool = True) -> None:
         self.endpoint, self.shape, self.targets, self.corpus, self.n, self.run = endpoint, shape, targets, corpus, n, run
+        self.fail_early = fail_early
         self.progress = progress or Progress(f"{endpoint.name} N={n}")
         self.requests: list[Request] = []
         self.counted: list[Request] = []
@@ -300,7 +302,7 @@ class Level:
             totals = self._live_counts(now)
             self.progress.update(self._status(now, totals))
             if self.closed_at is not None:
-                if self.counted and totals.over(self.targets):
+                if self.fail_early and self.counted and totals.over(self.targets):
                     return "failed early"
                 if all(r.ended_s is not None for r in self.counted):
                     return "complete"

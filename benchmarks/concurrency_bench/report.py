@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,8 +24,8 @@ def level_line(r: dict[str, Any]) -> str:
     ttfa, buf = r["ttfa_s"], r["required_buffer_s"]
     verdict = "PASS" if r["passed"] else "FAIL"
     line = (f"[{r['endpoint']}] N={r['n']:<4d} run {r['run']}: {verdict} ({r['ended_by']}, {r['wall_s']:.0f} s) "
-            f"streams {r['streams_ended']}/{r['streams_counted']} | success {_pct(r['success_share'])} "
-            f"real-time {_pct(r['realtime_share'])} | TTFA p50/p95 {_s(ttfa['p50'])}/{_s(ttfa['p95'])} | "
+            f"streams {r['streams_ended']}/{r['streams_counted']} | success {pct(r['success_share'])} "
+            f"real-time {pct(r['realtime_share'])} | TTFA p50/p95 {_s(ttfa['p50'])}/{_s(ttfa['p95'])} | "
             f"buffer needed p95 {_s(buf['p95'])} | {r['audio_s_per_s']:.3f} audio-s/s")
     if r["reasons"]:
         line += "\n    " + "; ".join(r["reasons"])
@@ -34,7 +35,7 @@ def level_line(r: dict[str, Any]) -> str:
 def comparison(targets: Sequence[dict[str, Any]], levels: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Ratios of the first target to the second: N_max, and latency at every level both measured."""
     a, b = targets
-    ratio = _ratio(a["n_max"], b["n_max"])
+    n_max_ratio = ratio(a["n_max"], b["n_max"])
     by_level = []
     for n in sorted({r["n"] for r in levels if r["endpoint"] == a["name"]} &
                     {r["n"] for r in levels if r["endpoint"] == b["name"]}):
@@ -42,14 +43,14 @@ def comparison(targets: Sequence[dict[str, Any]], levels: Sequence[dict[str, Any
         rb = _last(levels, b["name"], n)
         by_level.append({
             "n": n, "passed": [ra["passed"], rb["passed"]],
-            "ttfa_p50_ratio": _ratio(ra["ttfa_s"]["p50"], rb["ttfa_s"]["p50"]),
-            "ttfa_p95_ratio": _ratio(ra["ttfa_s"]["p95"], rb["ttfa_s"]["p95"]),
-            "required_buffer_p95_ratio": _ratio(ra["required_buffer_s"]["p95"], rb["required_buffer_s"]["p95"]),
-            "audio_s_per_s_ratio": _ratio(ra["audio_s_per_s"], rb["audio_s_per_s"]),
+            "ttfa_p50_ratio": ratio(ra["ttfa_s"]["p50"], rb["ttfa_s"]["p50"]),
+            "ttfa_p95_ratio": ratio(ra["ttfa_s"]["p95"], rb["ttfa_s"]["p95"]),
+            "required_buffer_p95_ratio": ratio(ra["required_buffer_s"]["p95"], rb["required_buffer_s"]["p95"]),
+            "audio_s_per_s_ratio": ratio(ra["audio_s_per_s"], rb["audio_s_per_s"]),
         })
     codec = [codec_cpu_per_audio_s(levels, t["name"]) for t in (a, b)]
-    return {"of": f"{a['name']} / {b['name']}", "n_max": [a["n_max"], b["n_max"]], "n_max_ratio": ratio,
-            "codec_cpu_s_per_audio_s": codec, "codec_cpu_ratio": _ratio(*codec), "by_level": by_level}
+    return {"of": f"{a['name']} / {b['name']}", "n_max": [a["n_max"], b["n_max"]], "n_max_ratio": n_max_ratio,
+            "codec_cpu_s_per_audio_s": codec, "codec_cpu_ratio": ratio(*codec), "by_level": by_level}
 
 
 def codec_cpu_per_audio_s(levels: Sequence[dict[str, Any]], name: str) -> float | None:
@@ -76,12 +77,20 @@ def _last(levels: Sequence[dict[str, Any]], name: str, n: int) -> dict[str, Any]
     return [r for r in levels if r["endpoint"] == name and r["n"] == n][-1]
 
 
-def _ratio(x: float | None, y: float | None) -> float | None:
+def ratio(x: float | None, y: float | None) -> float | None:
     return round(x / y, 3) if x is not None and y else None
 
 
-def _pct(x: float | None) -> str:
+def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
+
+
+def compact_json(result: dict[str, Any]) -> str:
+    """The JSON indented as usual but each list of plain values on one line: a level's sampled time series
+    (hundreds of values) stays a line, not hundreds."""
+    text = json.dumps(result, indent=1)
+    # JSON strings hold no raw newline: the ones inside a scalar-only list are between its items
+    return re.sub(r"\[\n\s*([^\[\]{}]*?)\n\s*\]", lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text) + "\n"
 
 
 def _s(x: float | None) -> str:

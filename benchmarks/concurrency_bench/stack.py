@@ -123,7 +123,8 @@ class LocalStack:
                          for p in self.config.worker_ports()]
             except httpx.HTTPError:
                 return dict.fromkeys(names, float("nan"))
-        return {name: sum(gauge(page, name) for page in pages) for name in names}
+        per_page = [gauges(page, names) for page in pages]  # each page parsed once, however many names
+        return {name: sum(values[name] for values in per_page) for name in names}
 
     def remember(self) -> None:
         """Note every process under ours, so CPU is accounted and none outlives the benchmark."""
@@ -177,11 +178,20 @@ class LocalStack:
 
 def gauge(text: str, name: str) -> float:
     """Sum of a metric's samples in a Prometheus text page (nan when absent or not a metrics page)."""
+    return gauges(text, (name,))[name]
+
+
+def gauges(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Each metric's samples summed, from one parse of a Prometheus text page (nan when absent or not a metrics page)."""
+    sums: dict[str, list[float]] = {name: [] for name in names}
     try:
-        values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in sums:
+                    sums[sample.name].append(sample.value)
     except ValueError:
-        return float("nan")
-    return sum(values) if values else float("nan")
+        return dict.fromkeys(names, float("nan"))
+    return {name: sum(values) if values else float("nan") for name, values in sums.items()}
 
 
 def cpu_snapshot(stacks: Sequence[LocalStack]) -> dict[str, Any]:

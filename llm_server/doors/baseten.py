@@ -91,7 +91,7 @@ class BasetenSocket:
             return None
         spec = SpeechSpec(voice, random.getrandbits(31), PCM, trim_of(self.runtime.config))
         try:
-            return SpeechSession.open(self.runtime, spec, self.key, f"baseten-{uuid.uuid4().hex[:16]}")
+            return await SpeechSession.open(self.runtime, spec, self.key, f"baseten-{uuid.uuid4().hex[:16]}")
         except Refused as exc:
             await self._refuse(TRY_AGAIN_LATER, str(exc))
             return None

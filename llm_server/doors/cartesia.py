@@ -153,7 +153,7 @@ class CartesiaSocket:
             raise _refusal(context_id, 429, f"this socket already has {MAX_CONTEXTS} open contexts")
         try:
             spec = spec_of(message, self.runtime)
-            session = SpeechSession.open(self.runtime, spec, self.key, f"cartesia-{context_id[:48]}-{uuid.uuid4().hex[:8]}")
+            session = await SpeechSession.open(self.runtime, spec, self.key, f"cartesia-{context_id[:48]}-{uuid.uuid4().hex[:8]}")
         except Refusal as exc:
             raise _refusal(context_id, exc.status, str(exc)) from None
         except Refused as exc:

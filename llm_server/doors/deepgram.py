@@ -162,7 +162,7 @@ class DeepgramSocket:
                 return
             spec = SpeechSpec(self.settings.voice, random.getrandbits(31), self.settings.output, trim_of(self.runtime.config))
             try:
-                self.current = SpeechSession.open(self.runtime, spec, self.key, f"deepgram-{uuid.uuid4().hex[:16]}")
+                self.current = await SpeechSession.open(self.runtime, spec, self.key, f"deepgram-{uuid.uuid4().hex[:16]}")
             except Refused as exc:
                 await self._error("TOO_MANY_REQUESTS", str(exc))
                 return

@@ -46,7 +46,7 @@ from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
 from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
 from ..voices import UnknownVoice
-from .http import refused_error, speak_whole, text_body, trim_of
+from .http import admission_wait, refused_error, speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketWriter,
@@ -193,7 +193,7 @@ class ElevenLabsSocket:
         if len(self.contexts) >= MAX_CONTEXTS:
             raise Refusal(f"this socket already has {MAX_CONTEXTS} open contexts", 429, context_id)
         try:
-            session = SpeechSession.open(self.runtime, self.spec, self.key, f"elevenlabs-{context_id[:48]}-{uuid.uuid4().hex[:8]}")
+            session = await SpeechSession.open(self.runtime, self.spec, self.key, f"elevenlabs-{context_id[:48]}-{uuid.uuid4().hex[:8]}")
         except Refused as exc:
             raise Refusal(str(exc), 429, context_id) from None
         context = _Context(context_id, session)
@@ -290,8 +290,8 @@ async def speech_with_timestamps(request: Request, voice_id: str) -> Response:
     """Newline-delimited JSON: the audio, and each sentence's character alignment after its audio."""
     spec, text = await _http_spec(request, voice_id)
     try:
-        session = SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
-                                     f"elevenlabs-{uuid.uuid4().hex[:16]}")
+        session = await SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
+                                           f"elevenlabs-{uuid.uuid4().hex[:16]}", admission_wait(request))
     except Refused as exc:
         raise refused_error(exc) from None
     session.say(text)

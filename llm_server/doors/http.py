@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from orpheus_common import connections
+from orpheus_common.http import ADMISSION_WAIT
 
 from ..config import LlmServerConfig
 from ..edge.errors import ApiError
@@ -49,6 +50,16 @@ def trim_of(config: LlmServerConfig) -> SilenceTrim | None:
     return SilenceTrim(config.trim_silence_dbfs, config.trim_silence_max_ms) if config.trim_silence else None
 
 
+def admission_wait(request: Request) -> float:
+    """How long this request may wait for a slot: the worker's queue wait, or less if the caller (the front, trying
+    another worker next) says so in ADMISSION_WAIT."""
+    wait_s = request.app.state.runtime.config.resolved_admission_queue_s
+    try:
+        return min(wait_s, max(0.0, float(request.headers.get(ADMISSION_WAIT, wait_s))))
+    except ValueError:  # not a number: the worker's own
+        return wait_s
+
+
 def refused_error(exc: Refused) -> ApiError:
     return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
@@ -73,7 +84,8 @@ async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, 
     key = getattr(request.state, "api_key", None)
     # The session id names engine and codec requests: unique even if clients reuse X-Request-Id.
     try:
-        session = SpeechSession.open(request.app.state.runtime, spec, key, f"{name}-{uuid.uuid4().hex[:16]}")
+        session = await SpeechSession.open(request.app.state.runtime, spec, key, f"{name}-{uuid.uuid4().hex[:16]}",
+                                           admission_wait(request))
     except Refused as exc:
         raise refused_error(exc) from None
     on_admit(key)

@@ -118,7 +118,7 @@ class TogetherSocket:
             return
         spec = SpeechSpec(self.voice, random.getrandbits(31), PCM, trim_of(self.runtime.config))
         try:
-            session = SpeechSession.open(self.runtime, spec, self.key, f"together-{uuid.uuid4().hex[:16]}")
+            session = await SpeechSession.open(self.runtime, spec, self.key, f"together-{uuid.uuid4().hex[:16]}")
         except Refused as exc:
             await self._error("rate_limit_exceeded", str(exc))
             return

@@ -10,8 +10,10 @@ codec's noise depends only on (seed, position), so the audio is the same as undi
 A replica that hangs (stopped, wedged) rather than dies is caught twice: a stream owed audio
 that gets none for `stall_timeout_s` fails over as if the replica had died, and keepalive
 pings take a silent replica's connection down, so new streams stop being sent to it. One that
-falls behind (a chunk of owed audio taking longer to come than its own length and a frame's, at
-`target_pace`) is only counted: admission reads the count (runtime.py), as it reads the failovers.
+falls behind is only measured: each chunk of owed audio adds its length (and a frame's) and the wait
+for it to the client's sums, whose ratio over many chunks is the pace the codec tier delivers at while
+it owes audio; admission judges that pace (runtime.py), as it reads the failovers. A chunk slower than
+`target_pace` on its own is counted late (a metric), but a few of those in a burst say little.
 
 TLS (`tls_ca`, optional client certificate) is read when the channel is built; when the files
 change, the next stream gets a new channel and the old one closes once its streams are done.
@@ -23,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -104,11 +107,23 @@ class CodecClient:
         self.failovers = 0
         self.deliveries = 0  # chunks of owed audio received
         self.late = 0  # of them, those that came slower than the target pace
+        self.owed_audio_s = 0.0  # their audio, a frame's more each (what the target pace allows them)
+        self._waited_s = 0.0  # waits that ended: in a chunk, or in a failover (a stall's ten seconds count too)
+        self._live: weakref.WeakSet[CodecStream] = weakref.WeakSet()  # streams whose current wait is still running
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
-        return CodecStream(self.current_stub, self.config, seed, stream_id, on_failover=self._failed_over,
-                           on_delivery=self._delivered)
+        stream = CodecStream(self.current_stub, self.config, seed, stream_id, on_failover=self._failed_over,
+                             on_delivery=self._delivered, on_wait_lost=self._wait_lost)
+        self._live.add(stream)
+        return stream
+
+    @property
+    def owed_wait_s(self) -> float:
+        """Seconds streams have waited for owed audio, those still waiting counted up to now: over owed_audio_s,
+        the pace the codec delivers at while it owes audio, a stalled replica's silence included as it happens."""
+        now = asyncio.get_running_loop().time()
+        return self._waited_s + sum(stream.waiting_s(now) for stream in self._live)
 
     async def encode(self, pcm: np.ndarray, timeout_s: float = 120.0) -> np.ndarray:
         """A recording (24 kHz mono float32 in [-1, 1]) as (n, 7) frames, encoded by a replica round robin picks;
@@ -127,9 +142,16 @@ class CodecClient:
     def _failed_over(self) -> None:
         self.failovers += 1
 
-    def _delivered(self, late: bool) -> None:
+    def _delivered(self, audio_s: float, waited_s: float) -> None:
+        """A chunk of owed audio: `audio_s` of it (a frame's allowance included) after `waited_s`."""
         self.deliveries += 1
-        self.late += late
+        self.late += waited_s * self.config.target_pace > audio_s
+        self.owed_audio_s += audio_s
+        self._waited_s += waited_s
+
+    def _wait_lost(self, waited_s: float) -> None:
+        """A wait for owed audio ended without it (the replica stalled, failed or went away)."""
+        self._waited_s += waited_s
 
     def current_stub(self) -> codec_pb2_grpc.SnacCodecStub:
         """The stub every new call uses; a changed TLS file first swaps in a new channel."""
@@ -211,7 +233,9 @@ class CodecStream:
 
     def __init__(
         self, stub: Callable[[], codec_pb2_grpc.SnacCodecStub], config: CodecClientConfig, seed: int, stream_id: str,
-        on_failover: Callable[[], None] = lambda: None, on_delivery: Callable[[bool], None] = lambda late: None,
+        on_failover: Callable[[], None] = lambda: None,
+        on_delivery: Callable[[float, float], None] = lambda audio_s, waited_s: None,
+        on_wait_lost: Callable[[float], None] = lambda waited_s: None,
     ) -> None:
         self._stub = stub  # called per call, so a failover uses the client's newest channel
         self._config = config
@@ -230,9 +254,9 @@ class CodecStream:
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
         self.failovers = 0
-        self.late = 0  # chunks of owed audio that came slower than the target pace
         self._on_failover = on_failover
         self._on_delivery = on_delivery
+        self._on_wait_lost = on_wait_lost
 
     async def send(self, frames: np.ndarray) -> None:
         """Queue frames (n, 7) for decoding; a dead replica is noticed and replaced by chunks().
@@ -277,15 +301,24 @@ class CodecStream:
             if message is grpc.aio.EOF:
                 message = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "stream ended before its final chunk")
             if isinstance(message, grpc.aio.AioRpcError):
+                if self._owed():  # the wait so far ended without its audio: still waited, for the codec's pace
+                    self._on_wait_lost(asyncio.get_running_loop().time() - self._stall_clock)
                 attempts = await self._failover(call, message, attempts)
                 continue
-            self._count_delivery(late=self._owed() and self._late(message))
+            if self._owed():
+                self._count_delivery(message)
             chunk = self._accept(message)
             attempts = 1  # audio arrived: only failures in a row use up the attempts
             if chunk is not None:
                 yield chunk
                 if chunk.final:
                     return
+
+    def waiting_s(self, now: float) -> float:
+        """How long the read now pending has waited for owed audio (0 while none is pending or none is owed)."""
+        if self._reading is None or self._cancelled or not self._owed():
+            return 0.0
+        return now - self._stall_clock
 
     def cancel(self) -> None:
         """Abandon the stream (client went away): the codec drops its session."""
@@ -341,17 +374,13 @@ class CodecStream:
         except grpc.aio.AioRpcError as exc:
             return exc
 
-    def _late(self, message: codec_pb2.PcmChunk) -> bool:
-        """Whether owed audio came slower than the target pace: the wait for it (since it became owed, or since
-        this read began: a reader held up by a slow client does not count against the replica) is longer than
-        the chunk's own length and a frame's, at that pace."""
+    def _count_delivery(self, message: codec_pb2.PcmChunk) -> None:
+        """A chunk of owed audio arrived: its length and a frame's (the most a replica may hold back before it
+        can emit), and the wait for it (since it became owed, or since this read began: a reader held up by a
+        slow client does not count against the replica)."""
         waited = asyncio.get_running_loop().time() - self._stall_clock
         samples = len(message.pcm) // self._sample_bytes + FRAME_SAMPLES
-        return waited > samples / SAMPLE_RATE / self._config.target_pace
-
-    def _count_delivery(self, late: bool) -> None:
-        self.late += late
-        self._on_delivery(late)
+        self._on_delivery(samples / SAMPLE_RATE, waited)
 
     def _owed(self) -> bool:
         """Whether the replica should be producing audio: the frames sent make samples final that
