@@ -208,9 +208,9 @@ class CapacityLimit:
         self._codec_trouble: str | None = None  # CODEC_LATE or CODEC_FAILOVER, until the next window
         self.reason: str | None = None  # why the last update moved the limit (None: it did not)
         self._hold = 0  # windows left without growth after a codec backoff
-        # Slow start, as TCP's: the limit doubles a window below this (at first: everywhere), and grows by its
-        # square root above it, which is where it was last cut (a cut says where the capacity is).
-        self._slow_start_below = math.inf
+        # Slow start, as TCP's: the limit may double a window until it is first cut (a cut says where the capacity
+        # is), and from then on grows by at most its square root, each growth once the last one's streams settled.
+        self._cut = False
         self._settling_s = 0.0  # seconds of windows left before the next careful growth
 
     @property
@@ -235,7 +235,7 @@ class CapacityLimit:
 
     def update(self, window: Window, peak_admitted: int, admitted: int) -> float:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
-        the limit: demand met it, and every stream past it was refused); `admitted`: now. Returns the
+        the limit: demand met it, and every stream past it waited or was refused); `admitted`: now. Returns the
         new limit. A window without enough decoding changes nothing."""
         pace = window.pace if self.enough(window.stream_s, window.tokens) else None
         limit, reason = self.limit, None
@@ -246,12 +246,10 @@ class CapacityLimit:
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace)), SLOW
         elif pace is not None and peak_admitted >= self.streams >= admitted and not self._hold:
             # In use, and not still over it after a decrease (the streams past it are yet to end).
-            careful = limit >= self._slow_start_below
-            if not careful or self._settling_s <= 0:
-                step = math.sqrt(limit) if careful else limit
+            if not self._cut or self._settling_s <= 0:
+                step = math.sqrt(limit) if self._cut else limit
                 limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
                 reason = GROWTH
-                self._settling_s = SETTLE_S_AT_REALTIME / self.target_pace if careful else 0.0
         self._hold = max(0, self._hold - 1)
         if self._codec_trouble:
             if self.limit * CODEC_BACKOFF < limit:  # the codec's cut binds: the move is the codec's
@@ -260,7 +258,9 @@ class CapacityLimit:
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful
-            self._slow_start_below = min(self._slow_start_below, self.limit)
+            self._cut = True
+        elif self.limit > before and self._cut:  # a careful growth: the next waits for its streams' cost
+            self._settling_s = SETTLE_S_AT_REALTIME / self.target_pace
         return self.limit
 
 

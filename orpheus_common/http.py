@@ -16,8 +16,8 @@ TRY_AGAIN_LATER = 1013  # RFC 6455 close code: the server is overloaded; the cli
 # the reply is for (its measured limit less its active streams); the front routes by it.
 CAPACITY_FREE = "x-capacity-free"
 # On a speech request to a worker: the longest it may wait in its admission queue for a slot, in seconds, below its
-# own (0: refuse at once). The front sends 0 to every worker but its first choice, so a request waits once, not once
-# a worker.
+# own (0: refuse at once). The front sends 0 to every worker after the first one that answers, so a request waits
+# once, not once a worker.
 ADMISSION_WAIT = "x-admission-wait-s"
 # On every worker response where it has LoRA voices: those whose adapters its engine holds (most recent last),
 # which the front prefers for their requests when capacities are equal.

@@ -357,7 +357,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             try:
                 upstream = await client.send(client.build_request("POST", f"{url}{target}", content=body, headers=headers,
                                                                   timeout=timeout), stream=True)
-                headers[ADMISSION_WAIT] = "0"  # only the first choice (the most free) queues a request at its limit
+                headers[ADMISSION_WAIT] = "0"  # only the first worker that answers (the most free) may queue it
             except httpx.HTTPError as exc:  # refused (a worker that left or is draining), or no connection in time
                 pool.release(url)
                 log.warning("worker %s unreachable (connect allowed %.0f s): %r", url, timeout.connect, exc)

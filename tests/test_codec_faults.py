@@ -184,3 +184,42 @@ async def test_a_replica_that_falls_behind_is_counted_late_not_failed_over(repli
     assert client.late >= 1, "the chunk held up by the pause came slower than the target pace"
     assert client.deliveries == len(chunks)
     _assert_whole(chunks, len(frames))
+
+
+async def test_a_wait_on_a_hung_replica_counts_as_it_runs_and_stays_counted_when_the_stream_is_cancelled(replicas):
+    """The codec's pace (admission's signal) sums the waits for owed audio: one still running counts as it runs, and
+    a barge-in that cancels the stream mid-wait must not take it back (the sum stays monotone, or the window after
+    it would see a negative wait and a hung codec would look healthy)."""
+    frames = random_frames(40, seed=8)
+    client = _client(replicas)
+    stream = client.stream(8)
+    victim = []
+
+    async def produce():
+        for i in range(0, len(frames), 2):
+            await stream.send(frames[i : i + 2])
+            await asyncio.sleep(0.05)
+
+    producer = asyncio.create_task(produce())
+    try:
+        for p in replicas:  # earlier tests' streams have left, so the active count names this one's replica
+            assert await asyncio.to_thread(wait_metric_zero, p.metrics_port, "snac_active_streams", 5.0) == 0
+        chunks = stream.chunks()
+        await anext(chunks)
+        active = [await asyncio.to_thread(scrape, p.metrics_port, "snac_active_streams") for p in replicas]
+        victim.append(replicas[active.index(1)])
+        hang(victim[0])
+        reader = asyncio.create_task(anext(chunks))
+        await asyncio.sleep(1.5)  # under the stall timeout: no failover yet
+        running = client.owed_wait_s
+        assert running >= 1.0, running
+        stream.cancel()
+        assert client.owed_wait_s >= running, "the cancelled wait stays counted"
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        assert client.owed_wait_s >= running
+    finally:
+        producer.cancel()
+        if victim:
+            unhang(victim[0])
+        await client.close()

@@ -103,8 +103,8 @@ async def test_admission_cap_refuses_fast_with_retry_after(stack):
         responses = await asyncio.gather(*(h.__aenter__() for h in held))
         try:
             assert all(r.status_code == 200 for r in responses)
-            # Refused, not queued: the held streams stay open until the answer is in, so a worker that
-            # waited for a slot would never answer (the timeout, a hang guard, would fail the test).
+            # Refused after the admission queue's wait at most (3 s on a CPU): the held streams stay open until
+            # the answer is in, so a worker that waited for a slot without a bound would never answer.
             refused = await client.post("/v1/audio/speech", json=body, timeout=60)
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"

@@ -108,8 +108,8 @@ class CodecClient:
         self.deliveries = 0  # chunks of owed audio received
         self.late = 0  # of them, those that came slower than the target pace
         self.owed_audio_s = 0.0  # their audio, a frame's more each (what the target pace allows them)
-        self._waited_s = 0.0  # waits that ended: in a chunk, or in a failover (a stall's ten seconds count too)
-        self._live: weakref.WeakSet[CodecStream] = weakref.WeakSet()  # streams whose current wait is still running
+        self._waited_s = 0.0  # waits that ended: in a chunk, a failover (a stall's silence counts too) or a cancel
+        self._live: weakref.WeakSet[CodecStream] = weakref.WeakSet()  # every stream not yet collected: their running waits
 
     def stream(self, seed: int, stream_id: str = "") -> CodecStream:
         """A new stream; frames go in with send(), audio comes out of chunks()."""
@@ -301,8 +301,6 @@ class CodecStream:
             if message is grpc.aio.EOF:
                 message = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "stream ended before its final chunk")
             if isinstance(message, grpc.aio.AioRpcError):
-                if self._owed():  # the wait so far ended without its audio: still waited, for the codec's pace
-                    self._on_wait_lost(asyncio.get_running_loop().time() - self._stall_clock)
                 attempts = await self._failover(call, message, attempts)
                 continue
             if self._owed():
@@ -314,6 +312,18 @@ class CodecStream:
                 if chunk.final:
                     return
 
+    def _end_wait(self) -> None:
+        """The running wait ends without audio (a stall, a failure, a cancel): counted as waited, once (the clock
+        restarts, so what the client sums stays monotone: a wait never vanishes from it)."""
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:  # no loop (cancelled from outside one): no read can be running
+            return
+        waited = self.waiting_s(now)
+        if waited > 0:
+            self._on_wait_lost(waited)
+            self._stall_clock = now
+
     def waiting_s(self, now: float) -> float:
         """How long the read now pending has waited for owed audio (0 while none is pending or none is owed)."""
         if self._reading is None or self._cancelled or not self._owed():
@@ -322,6 +332,7 @@ class CodecStream:
 
     def cancel(self) -> None:
         """Abandon the stream (client went away): the codec drops its session."""
+        self._end_wait()
         self._cancelled = True
         self._arrived.set()
         if self._call is not None:
@@ -355,6 +366,7 @@ class CodecStream:
             # Not owed: look again after a timeout's worth, since a send() may have started the clock.
             left = self._stall_clock + self._config.stall_timeout_s - loop.time() if self._owed() else None
             if left is not None and left <= 0:
+                self._end_wait()
                 reading.cancel()  # cancels the call too
                 self._reading = None
                 return grpc.aio.AioRpcError(
@@ -364,8 +376,12 @@ class CodecStream:
             try:
                 await asyncio.wait({reading}, timeout=self._config.stall_timeout_s if left is None else left)
             except asyncio.CancelledError:
+                self._end_wait()
                 reading.cancel()  # our reader went away: so does the call, as with a plain read()
+                self._reading = None
                 raise
+        if reading.cancelled() or reading.exception() is not None or reading.result() is grpc.aio.EOF:
+            self._end_wait()  # no audio ended this wait
         self._reading = None
         if reading.cancelled():
             return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, None, None, "read cancelled")

@@ -29,7 +29,7 @@ __all__ = ["Audio", "ClientTooSlow", "PromptTooLong", "Refused", "SegmentEnd", "
 
 
 class Refused(Exception):
-    """A stream cap is reached (the worker's or the key's): refused at once, never queued."""
+    """A stream cap is reached (the worker's or the key's), and no slot freed within the wait asked for."""
 
     def __init__(self, message: str, by_key: bool) -> None:
         super().__init__(message)
