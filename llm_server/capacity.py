@@ -246,7 +246,7 @@ class CapacityLimit:
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace)), SLOW
         elif pace is not None and peak_admitted >= self.streams >= admitted and not self._hold:
             # In use, and not still over it after a decrease (the streams past it are yet to end).
-            if not self._cut or self._settling_s <= 0:
+            if self._settling_s <= 0:
                 step = math.sqrt(limit) if self._cut else limit
                 limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
                 reason = GROWTH

@@ -184,19 +184,19 @@ class LlmServerConfig(Settings):
             return self.target_pace
         return CPU_TARGET_PACE if self.resolved_device == "cpu" else GPU_TARGET_PACE
 
+    def slowed(self, seconds_on_gpu: float) -> float:
+        """A time set for the GPU's target pace, slowed as this worker's target is (ten times on a CPU)."""
+        return seconds_on_gpu * GPU_TARGET_PACE / self.resolved_target_pace
+
     @property
     def resolved_codec_stall_timeout_s(self) -> float:
         """codec_stall_timeout_s, or its default for the target pace."""
-        if self.codec_stall_timeout_s is not None:
-            return self.codec_stall_timeout_s
-        return CODEC_STALL_TIMEOUT_S * GPU_TARGET_PACE / self.resolved_target_pace
+        return self.codec_stall_timeout_s if self.codec_stall_timeout_s is not None else self.slowed(CODEC_STALL_TIMEOUT_S)
 
     @property
     def resolved_admission_queue_s(self) -> float:
         """admission_queue_s, or its default for the target pace."""
-        if self.admission_queue_s is not None:
-            return self.admission_queue_s
-        return ADMISSION_QUEUE_S * GPU_TARGET_PACE / self.resolved_target_pace
+        return self.admission_queue_s if self.admission_queue_s is not None else self.slowed(ADMISSION_QUEUE_S)
 
     @property
     def stream_floor(self) -> int:

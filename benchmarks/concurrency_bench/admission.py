@@ -121,7 +121,7 @@ def admitted_over_buffer(run: LevelRun, targets: Targets) -> tuple[int, int]:
     """(admitted requests, those whose playback stalled with the buffer). A stream cut open at the level's end is
     judged on the chunks it got: when exactly it was cut is not known closely enough to judge its last silence."""
     admitted = [r for r in run.requests if r.status == 200]
-    dry = sum(metrics.stalls(r.chunks, targets.buffer_s, targets.pace)[0] > 0 for r in admitted)
+    dry = sum(metrics.ran_dry(r.timeline(), targets.buffer_s, targets.pace) for r in admitted)
     return len(admitted), dry
 
 

@@ -46,7 +46,7 @@ from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
 from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
 from ..voices import UnknownVoice
-from .http import admission_wait, refused_error, speak_whole, text_body, trim_of
+from .http import open_session, speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketWriter,
@@ -289,11 +289,7 @@ async def speech(request: Request, voice_id: str) -> Response:
 async def speech_with_timestamps(request: Request, voice_id: str) -> Response:
     """Newline-delimited JSON: the audio, and each sentence's character alignment after its audio."""
     spec, text = await _http_spec(request, voice_id)
-    try:
-        session = await SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
-                                           f"elevenlabs-{uuid.uuid4().hex[:16]}", admission_wait(request))
-    except Refused as exc:
-        raise refused_error(exc) from None
+    session = await open_session(request, spec, "elevenlabs")
     session.say(text)
     return StreamingResponse(_timestamped(session), media_type="application/x-ndjson")
 

@@ -50,6 +50,16 @@ def trim_of(config: LlmServerConfig) -> SilenceTrim | None:
     return SilenceTrim(config.trim_silence_dbfs, config.trim_silence_max_ms) if config.trim_silence else None
 
 
+async def open_session(request: Request, spec: SpeechSpec, name: str) -> SpeechSession:
+    """An HTTP request's stream, admitted after waiting for a slot as long as admission_wait() allows, or a 429.
+    The session id names engine and codec requests: unique even if clients reuse X-Request-Id."""
+    try:
+        return await SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
+                                        f"{name}-{uuid.uuid4().hex[:16]}", admission_wait(request))
+    except Refused as exc:
+        raise refused_error(exc) from None
+
+
 def admission_wait(request: Request) -> float:
     """How long this request may wait for a slot: the worker's queue wait, or less if the caller (the front, trying
     another worker next) says so in ADMISSION_WAIT."""
@@ -81,14 +91,8 @@ async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, 
                       media_type: str | None = None, on_admit: Callable[[object], None] = lambda key: None) -> Response:
     """Speak all of `text`: a full worker refuses with 429; the first audio is awaited, so a failure before
     it is an error status (a prompt the context cannot hold: 400); then the rest as it is decoded."""
-    key = getattr(request.state, "api_key", None)
-    # The session id names engine and codec requests: unique even if clients reuse X-Request-Id.
-    try:
-        session = await SpeechSession.open(request.app.state.runtime, spec, key, f"{name}-{uuid.uuid4().hex[:16]}",
-                                           admission_wait(request))
-    except Refused as exc:
-        raise refused_error(exc) from None
-    on_admit(key)
+    session = await open_session(request, spec, name)
+    on_admit(session.key)
     session.say(text)
     # Watched from the start: a client gone before the first audio frees everything at once.
     watcher = asyncio.create_task(_close_on_disconnect(request, session))

@@ -380,15 +380,17 @@ class CodecStream:
                 reading.cancel()  # our reader went away: so does the call, as with a plain read()
                 self._reading = None
                 raise
-        if reading.cancelled() or reading.exception() is not None or reading.result() is grpc.aio.EOF:
+        if reading.cancelled():
+            message = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, None, None, "read cancelled")
+        else:
+            try:
+                message = reading.result()
+            except grpc.aio.AioRpcError as exc:
+                message = exc
+        if not isinstance(message, codec_pb2.PcmChunk):
             self._end_wait()  # no audio ended this wait
         self._reading = None
-        if reading.cancelled():
-            return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, None, None, "read cancelled")
-        try:
-            return reading.result()
-        except grpc.aio.AioRpcError as exc:
-            return exc
+        return message
 
     def _count_delivery(self, message: codec_pb2.PcmChunk) -> None:
         """A chunk of owed audio arrived: its length and a frame's (the most a replica may hold back before it
