@@ -5,8 +5,8 @@ spread over four LoRA voices, in one run; JSON out.
 LoRA is on in a worker only when its voices directory holds an adapter (llm_server/engine/vllm.py), because
 enabling it costs every step whether a request uses an adapter or not; this measures how much. The adapters
 are random rank-16 PEFT adapters of the tiny checkpoint over every linear layer (benchmarks/lora_adapters.py).
-`--lora on` runs the LoRA engine's cases alone, without the reference (each engine is a vLLM start of its own: the
-smoke test's way to see every case measured at half the cost).
+`--lora on` runs the LoRA engine's cases alone, without the reference (each engine is a vLLM start of its own);
+run() also takes a started engine (the smoke test's, shared with clone_first_audio_cpu.py's).
 
     .venv/bin/python benchmarks/lora_cpu.py
     .venv/bin/python benchmarks/lora_cpu.py --streams 16 --tokens 281 --repeats 5
@@ -50,8 +50,19 @@ async def tokens_per_s(engine, adapters: list[Adapter | None], tokens: int, run:
     return sum(start < x <= end for t in runs for x in t) / (end - start)
 
 
-async def measure(cases: dict[str, list[Adapter | None]], lora: bool, args: argparse.Namespace) -> dict[str, dict]:
-    """Each case on one engine (LoRA on or off), `args.repeats` times in turn; the median and every reading."""
+async def measure(engine, cases: dict[str, list[Adapter | None]], repeats: int, tokens: int) -> dict[str, list[float]]:
+    """Each case on a started engine (LoRA on or off, its adapters loaded), `repeats` times in turn: the readings."""
+    await tokens_per_s(engine, [None] * len(next(iter(cases.values()))), 29, "warm-up")
+    readings: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(repeats):
+        for name, adapters in cases.items():
+            readings[name].append(await tokens_per_s(engine, adapters, tokens, f"{name}-{r}"))
+    return readings
+
+
+async def on_an_engine_of_its_own(cases: dict[str, list[Adapter | None]], lora: bool,
+                                  args: argparse.Namespace) -> dict[str, dict]:
+    """Each case on an engine started for them (LoRA on or off): the median and every reading."""
     from llm_server.engine.vllm import VllmEngine
 
     config = LlmServerConfig(cache_dir=args.cache_dir, device="cpu", max_num_seqs=max(16, args.streams),
@@ -62,20 +73,23 @@ async def measure(cases: dict[str, list[Adapter | None]], lora: bool, args: argp
     await engine.start()
     started_s = time.perf_counter() - start
     try:
-        for adapter in {a for adapters in cases.values() for a in adapters if a is not None}:
-            await engine.load_adapter(adapter)
-        await tokens_per_s(engine, [None] * args.streams, 29, "warm-up")
-        readings: dict[str, list[float]] = {name: [] for name in cases}
-        for r in range(args.repeats):
-            for name, adapters in cases.items():
-                readings[name].append(await tokens_per_s(engine, adapters, args.tokens, f"{name}-{r}"))
+        return _figures(await on(engine, cases, args), started_s)
     finally:
         await engine.shutdown()
+
+
+async def on(engine, cases: dict[str, list[Adapter | None]], args: argparse.Namespace) -> dict[str, list[float]]:
+    for adapter in {a for adapters in cases.values() for a in adapters if a is not None}:
+        await engine.load_adapter(adapter)
+    return await measure(engine, cases, args.repeats, args.tokens)
+
+
+def _figures(readings: dict[str, list[float]], started_s: float | None) -> dict[str, dict]:
     return {name: {"tokens_per_s": statistics.median(values), "readings": values, "engine_start_s": started_s}
             for name, values in readings.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=8, help="streams decoding together")
     p.add_argument("--tokens", type=int, default=141, help="tokens per stream (7 a frame)")
@@ -85,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile: a faster start, slower steps")
     p.add_argument("--cache-dir", default=LlmServerConfig.default("cache_dir"))
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "lora-cpu.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace, engine=None) -> dict:
+    """The cases `args` asks for, each engine started for them, or those of `--lora on` on `engine` (started with
+    LoRA on, at least VOICES adapters a batch and rank RANK: the smoke test's engine, shared with
+    clone_first_audio_cpu.py's; no start time then); the JSON written and a line a case printed."""
     with tempfile.TemporaryDirectory() as workdir:
         base = resolve_model("tiny", args.cache_dir)
         adapters = [Adapter(f"voice{i}@{i + 1}", i + 1, str(make_adapter(base, Path(workdir) / f"voice{i}", i, RANK)))
@@ -96,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{VOICES} lora voices": [adapters[i % VOICES] for i in range(args.streams)],
         }}
         measured = {}
-        for lora in ENGINES[args.lora]:
-            measured |= asyncio.run(measure(by_engine[lora], lora, args))
+        if engine is not None:
+            [lora] = ENGINES[args.lora]
+            measured = _figures(await on(engine, by_engine[lora], args), None)
+        else:
+            for lora in ENGINES[args.lora]:
+                measured |= await on_an_engine_of_its_own(by_engine[lora], lora, args)
     reference = measured.get("lora off", {}).get("tokens_per_s")  # none with --lora on
     cases = [{"case": name, **figures,
               "relative_to_lora_off": figures["tokens_per_s"] / reference if reference else None}
@@ -110,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         relative = f" ({case['relative_to_lora_off']:.2f} x LoRA off)" if reference else ""
         print(f"{case['case']:>16}: {case['tokens_per_s']:7.1f} tokens/s{relative}, {args.streams} streams")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    asyncio.run(run(parse_args(argv)))
     return 0
 
 

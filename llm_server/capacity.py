@@ -22,10 +22,14 @@ Where a step's time is a fixed part plus a part per stream (a GPU's: the weights
 each stream's KV cache once), that estimate lies between the current batch and the batch that runs at
 the target pace: the limit approaches it from either side without overshooting (tests/test_capacity.py
 holds this on such curves). The codec tier's headroom counts too: a codec stream failing over (a
-replica refusing, stalling or gone), or CodecWindow's judgment that the codec delivered its owed audio
-slower than the target pace over enough of it (a replica that cannot keep up, its streams' waits counted
-as they run; not a few late chunks in a burst), shrinks the limit by CODEC_BACKOFF, at most once a
-window, and holds it from growing for CODEC_HOLD_WINDOWS. The limit stays within [floor, ceiling].
+replica refusing, stalling or gone) shrinks the limit by CODEC_BACKOFF; CodecWindow's judgment that the codec
+delivered its owed audio slower than the target pace over enough of it (a replica that cannot keep up, its
+streams' waits counted as they run; not a few late chunks in a burst) shrinks it by the same gradient as the
+engine's: to the streams sharing the codec x its pace / (target x CODEC_HEADROOM) (a codec shared by the streams it owes gives
+each its throughput over their number; at most halving, at least CODEC_BACKOFF of those streams); either at
+most once a window, then no growth for CODEC_HOLD_WINDOWS. That judged figure also bounds growth: no more than
+the streams the codec keeps at the target (an engine with headroom beside a codec without used to grow the
+limit to 2-3x what the codec kept). The limit stays within [floor, ceiling].
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ CODEC_LATE = "codec_late"  # the codec delivered owed audio slower than the targ
 CODEC_FAILOVER = "codec_failover"  # a codec stream failed over (a replica refused, stalled or went away)
 REASONS = (SLOW, GROWTH, CODEC_LATE, CODEC_FAILOVER)
 CODEC_BACKOFF = 0.9
+# The codec's owed audio is judged against the target pace x this: it comes in rounds (a chunk of every stream per
+# batch), so a codec just at the target pace on average leaves streams waiting a round for their next chunk, past a
+# listener's buffer. Measured beside CPU replicas (benchmarks/README.md, concurrency.py --admission run 7): the limit
+# held at the streams the codec kept at 1.0x the target (14-18), where the listener's search kept 9-10.
+CODEC_HEADROOM = 1.5
 CODEC_HOLD_WINDOWS = 5  # after a codec backoff the limit does not grow for this many windows
 # Past the slow start, a growth is not followed by another until the streams it admitted have shown what they cost
 # (prompts decoded, their audio at the codec): about a new stream's time to first audio, 0.3 s at real time,
@@ -206,6 +215,9 @@ class CapacityLimit:
         self.limit = float(min(max(initial, floor), ceiling))
         self.pace: float | None = None  # the last window's
         self._codec_trouble: str | None = None  # CODEC_LATE or CODEC_FAILOVER, until the next window
+        self._codec_cut_to = math.inf  # the limit that trouble cuts to
+        self.codec_room: float | None = None  # the last judged codec pace over the target (None: never judged)
+        self.codec_streams: float | None = None  # the streams the codec keeps at the target, by that judgment
         self.reason: str | None = None  # why the last update moved the limit (None: it did not)
         self._hold = 0  # windows left without growth after a codec backoff
         # Slow start, as TCP's: the limit may double a window until it is first cut (a cut says where the capacity
@@ -218,6 +230,16 @@ class CapacityLimit:
         """The whole streams the limit admits."""
         return int(self.limit)
 
+    @property
+    def codec_target(self) -> float:
+        """The pace the codec's owed audio is judged against."""
+        return self.target_pace * CODEC_HEADROOM
+
+    @property
+    def slow_start(self) -> bool:
+        """Whether the limit may still double a window (it was never cut)."""
+        return not self._cut
+
     def enough(self, stream_s: float, tokens: int) -> bool:
         """Whether a window with this much decoding says enough about the pace: WINDOW_TOKENS tokens, or the
         stream-seconds they take at the target pace (an engine behind it is judged in that time)."""
@@ -227,11 +249,33 @@ class CapacityLimit:
         """Nothing decodes: no pace to show (an old one would hold an alert up)."""
         self.pace = None
 
-    def codec_trouble(self, reason: str = CODEC_LATE) -> None:
+    def codec_trouble(self, reason: str = CODEC_LATE, kept: float | None = None) -> None:
         """The codec tier was in trouble since the last window: a stream failed over (CODEC_FAILOVER: a replica
-        refused, stalled or went away) or its audio came late (CODEC_LATE: a replica behind). A failover wins."""
+        refused, stalled or went away; the limit cut by CODEC_BACKOFF) or its audio came late (CODEC_LATE: a replica
+        behind, keeping `kept` streams at the target: the limit cut to that, at most halving; None: not known, cut as
+        after a failover). A failover wins the reason; the deepest cut is kept."""
         if self._codec_trouble != CODEC_FAILOVER:
             self._codec_trouble = reason
+        cut_to = self.limit * CODEC_BACKOFF if kept is None else max(self.limit / 2, kept)
+        self._codec_cut_to = min(self._codec_cut_to, cut_to)
+
+    def judge_codec(self, window: CodecWindow, judge_chunks: int, streams: int) -> str | None:
+        """The codec tier's counts since its last judgment, `streams` sharing it now (the admitted), against the target
+        pace x CODEC_HEADROOM: once enough came, the streams it keeps at that target, streams x pace / target (a codec
+        shared by the streams it owes gives each its throughput over their number), the most growth may reach; behind
+        that target, its trouble noted for the
+        next update (and returned): the limit cut to those streams, by at least CODEC_BACKOFF of them. Streams still
+        over a limit just cut are counted, not the limit: the next judgment cuts no further than what they showed."""
+        target = self.codec_target
+        trouble = window.trouble(target, judge_chunks)
+        pace = window.pace if window.enough(target, judge_chunks) else None
+        room, sharing = None if pace is None else pace / target, max(1, streams)
+        if room is not None:
+            self.codec_room, self.codec_streams = room, sharing * room
+        if trouble is not None:
+            late = trouble == CODEC_LATE and room is not None
+            self.codec_trouble(trouble, sharing * min(room, CODEC_BACKOFF) if late else None)
+        return trouble
 
     def update(self, window: Window, peak_admitted: int, admitted: int) -> float:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
@@ -248,13 +292,16 @@ class CapacityLimit:
             # In use, and not still over it after a decrease (the streams past it are yet to end).
             if self._settling_s <= 0:
                 step = math.sqrt(limit) if self._cut else limit
-                limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
+                grown = min(window.mean_decoding * pace / self.target_pace, limit + step)
+                if self.codec_streams is not None:  # and no more than the codec keeps at the target
+                    grown = min(grown, self.codec_streams)
+                limit = max(limit, grown)
                 reason = GROWTH
         self._hold = max(0, self._hold - 1)
         if self._codec_trouble:
-            if self.limit * CODEC_BACKOFF < limit:  # the codec's cut binds: the move is the codec's
-                limit, reason = self.limit * CODEC_BACKOFF, self._codec_trouble
-            self._codec_trouble, self._hold = None, CODEC_HOLD_WINDOWS
+            if self._codec_cut_to < limit:  # the codec's cut binds: the move is the codec's
+                limit, reason = self._codec_cut_to, self._codec_trouble
+            self._codec_trouble, self._codec_cut_to, self._hold = None, math.inf, CODEC_HOLD_WINDOWS
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful

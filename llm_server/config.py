@@ -96,8 +96,9 @@ class LlmServerConfig(Settings):
     # Past the limit a request waits this long at most for a slot, first come first served (admission.py), then
     # is refused with 429. Unset: 0.3 s on a GPU, slowed as the target pace is (3 s on a CPU); 0: never.
     admission_queue_s: float | None = Field(None, ge=0)
-    # The codec's owed audio delivered slower than the target pace over this many chunks (a replica that cannot
-    # keep up: capacity.CodecWindow) shrinks the limit as a codec failover does; 0: never judged.
+    # The codec's owed audio is judged over this many chunks (capacity.CodecWindow): the streams sharing it x its pace
+    # over the target are the streams it keeps at the target, which the limit is cut to when the codec is behind and
+    # never grows past (capacity.CapacityLimit.judge_codec); 0: never judged.
     codec_judge_chunks: int = Field(100, ge=0)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)

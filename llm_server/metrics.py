@@ -70,6 +70,9 @@ class LlmMetrics:
             self.limit_changes.labels(reason)  # exported at 0 from the start: a rate() needs the series
         self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
                           "(1: exactly real time; NaN: too little decoding to say)", registry=r)
+        self.codec_room = Gauge("megapod_worker_codec_room_ratio", "The codec tier's pace delivering owed audio over "
+                                "the target pace, last judged (x the streams sharing it: the streams it keeps at the "
+                                "target, the limit's bound; NaN: not judged yet)", registry=r)
         # action: refused (a message over a socket's budget, dropped unread), closed (a flood that went on)
         self.socket_refused = Counter("orpheus_socket_budget_refusals", "Client socket messages refused over the "
                                       "socket's budget, and sockets closed for it", ["action"], registry=r)

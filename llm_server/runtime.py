@@ -110,6 +110,7 @@ class Runtime:
         metrics.decoding.set_function(lambda: admission.meter.decoding_now)
         metrics.queued.set_function(lambda: admission.queued)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
+        metrics.codec_room.set_function(lambda: math.nan if limit.codec_room is None else limit.codec_room)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
         decoder = ReferenceDecoder(ReferenceBounds(max_s=config.max_reference_s), config.reference_decode_timeout_s,
                                    config.max_reference_uploads)
@@ -131,22 +132,20 @@ class Runtime:
                 log.exception("reading the voices directory %s failed; its voices stay as they were", self.config.voices_dir)
 
     async def watch_capacity(self) -> None:
-        """Move the admission limit every capacity_window_s, by the pace measured and the codec tier's trouble: a
-        failover, or owed audio delivered slower than the target pace over codec_judge_chunks chunks (CodecWindow)."""
+        """Move the admission limit every capacity_tick_s(), by the pace measured and the codec tier's: a failover, or
+        the pace it delivered owed audio at over codec_judge_chunks chunks (CodecWindow, CapacityLimit.judge_codec)."""
         counted = judged = codec_counts(self.codec)  # the counts last exported, and at the last judgment
         codec = CodecWindow()  # the codec trouble the next move answers (its log line's figures)
         while True:
-            await asyncio.sleep(self.config.capacity_window_s)
+            await asyncio.sleep(self.capacity_tick_s())
             try:  # a failure here must not freeze the limit for the worker's life
                 now = codec_counts(self.codec)
                 self.metrics.codec_late_chunks.inc(now.late - counted.late)
                 self.metrics.codec_failovers.inc(now.failovers - counted.failovers)
                 counted, pending = now, now - judged
-                trouble = pending.trouble(self.config.resolved_target_pace, self.config.codec_judge_chunks)
-                if trouble is not None:
-                    self.admission.limit.codec_trouble(trouble)
+                if self.admission.limit.judge_codec(pending, self.config.codec_judge_chunks, self.admission.active):
                     codec = pending
-                if pending.judged(self.config.resolved_target_pace, self.config.codec_judge_chunks):
+                if pending.judged(self.admission.limit.codec_target, self.config.codec_judge_chunks):
                     judged = now
                 before = self.admission.max_streams
                 window = self.admission.end_window(time.monotonic())
@@ -157,15 +156,25 @@ class Runtime:
             except Exception:
                 log.exception("moving the admission limit failed; it stays at %d", self.admission.max_streams)
 
+    def capacity_tick_s(self) -> float:
+        """How long until watch_capacity looks again: capacity_window_s, or a tenth of the queue's wait while requests
+        wait for a limit in its slow start (a cold worker's first burst, which waited a whole tick per doubling:
+        most of its 3 s on a CPU). A window still ends only once it says enough about the pace."""
+        if self.admission.queued and self.admission.limit.slow_start:
+            return max(0.01, min(self.config.capacity_window_s, self.config.resolved_admission_queue_s / 10))
+        return self.config.capacity_window_s
+
     def _limit_moved(self, before: int, window, codec: CodecWindow) -> None:
         """Count and log why the limit moved, with the figures it moved by."""
         limit = self.admission.limit
         self.metrics.limit_changes.labels(limit.reason).inc()
         pace = "-" if window.pace is None else f"{window.pace:.2f}"
         codec_pace = "-" if codec.pace is None else f"{codec.pace:.2f}"
+        room = "-" if limit.codec_room is None else f"{limit.codec_room:.2f}x, keeping {limit.codec_streams:.1f} streams"
         log.info("admission limit %d -> %d streams: %s (pace %s against a target of %.2f, %.1f streams decoding; codec: "
-                 "%d failovers, pace %s over %d chunks, %d of them late)", before, limit.streams, limit.reason, pace,
-                 limit.target_pace, window.mean_decoding, codec.failovers, codec_pace, codec.chunks, codec.late)
+                 "%d failovers, pace %s over %d chunks, %d of them late; codec room %s)", before, limit.streams,
+                 limit.reason, pace, limit.target_pace, window.mean_decoding, codec.failovers, codec_pace, codec.chunks,
+                 codec.late, room)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

@@ -224,7 +224,7 @@ def speed(runner: DecoderRunner, repeats: int) -> dict[str, object]:
     out: dict[str, object] = {}
     for kind in ("streaming", "reference"):
         steps = {b: step_seconds(runner, kind, b, repeats) for b in runner.batch_sizes}
-        audio = {b: round(b * FRAME_SECONDS / s, 1) for b, s in steps.items()}
+        audio = {b: round(b * FRAME_SECONDS / s, 3) for b, s in steps.items()}  # a slow CPU carries a fraction
         out[kind] = {"step_ms": {b: round(1000 * s, 3) for b, s in steps.items()}, "audio_s_per_s": audio,
                      "realtime_streams": max(audio.values())}
     return out

@@ -1,17 +1,20 @@
 """The admission limit's decisions (llm_server/capacity.py) on scripted paces: a GPU-shaped step time
 (a fixed part plus a part per stream), windows of offered load, the codec's trouble. No clocks: every
-time is given."""
+time is given, but in the last test, the worker's own loop (Runtime.watch_capacity) over 50 ms windows."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 
 import pytest
 
 from llm_server.admission import CAPACITY, KEY, AdmissionController
 from llm_server.capacity import (
     CODEC_FAILOVER,
+    CODEC_HEADROOM,
     CODEC_LATE,
     GROWTH,
     SLOW,
@@ -367,3 +370,155 @@ def test_past_a_cut_a_growth_waits_for_the_streams_it_admitted_to_show_their_cos
         limit.update(fast, peak_admitted=limit.streams, admitted=limit.streams)
         seen.append(limit.reason)
     assert seen == [GROWTH, None, None, GROWTH, None, None, GROWTH], seen
+
+
+# -- the codec as the bottleneck (issue 43: the limit hovered at 2-3x what the codec kept) ---------------------------
+
+CPU_TARGET = 0.105
+CODEC_TARGET = CPU_TARGET * CODEC_HEADROOM  # what the codec's owed audio is judged against
+CHUNK_S = 0.17  # a chunk's owed audio with its frame's allowance
+
+
+def codec_window(pace: float, chunks: int = 100) -> CodecWindow:
+    """`chunks` chunks of owed audio delivered at `pace` x real time."""
+    return CodecWindow(chunks=chunks, audio_s=chunks * CHUNK_S, wait_s=chunks * CHUNK_S / pace)
+
+
+def test_a_codec_behind_cuts_the_limit_to_the_streams_it_keeps_at_the_target():
+    """Behind its target (the target pace x CODEC_HEADROOM), the codec keeps streams x pace / target of the streams
+    sharing it: the limit is cut to that, by a tenth at least and at most to half; after a failover, by a tenth."""
+    fast = step_ms_curve(1.0, 0.0)
+    for pace_share, expected in ((0.6, 24), (0.97, 36), (0.2, 20)):
+        limit = CapacityLimit(initial=40, floor=1, ceiling=4096, target_pace=CPU_TARGET)
+        assert limit.judge_codec(codec_window(CODEC_TARGET * pace_share), 100, streams=40) == CODEC_LATE
+        limit.update(window_at(40, fast), peak_admitted=40, admitted=40)
+        assert limit.reason == CODEC_LATE and limit.limit == pytest.approx(expected), pace_share
+    limit = CapacityLimit(initial=40, floor=1, ceiling=4096, target_pace=CPU_TARGET)
+    failed_over = CodecWindow(failovers=1, chunks=5, audio_s=5 * CHUNK_S, wait_s=100.0)  # slow, but a failover
+    assert limit.judge_codec(failed_over, 100, streams=40) == CODEC_FAILOVER
+    limit.update(window_at(40, fast), peak_admitted=40, admitted=40)
+    assert limit.reason == CODEC_FAILOVER and limit.limit == pytest.approx(40 * 0.9)
+
+
+def test_streams_still_over_a_limit_just_cut_are_not_cut_for_again():
+    """The codec's next judgment still sees the streams admitted before a cut (they end in their own time): what
+    they show is compared with the limit, not applied to it again. A cut applied to the limit each time ran it
+    from 22 to 2 in 30 s while 21 streams admitted before the first cut were ending (a benchmark run of issue 43)."""
+    fast = step_ms_curve(1.0, 0.0)
+    limit = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=CPU_TARGET)
+    limit.judge_codec(codec_window(CODEC_TARGET * 0.7), 100, streams=20)
+    limit.update(window_at(20, fast), peak_admitted=20, admitted=20)
+    assert limit.limit == pytest.approx(14)
+    limit.judge_codec(codec_window(CODEC_TARGET * 0.8), 100, streams=20)  # the same 20, a little less behind
+    limit.update(window_at(20, fast), peak_admitted=20, admitted=20)
+    assert limit.limit == pytest.approx(14) and limit.reason is None, "20 x 0.8 = 16 streams kept: over 14"
+    limit.judge_codec(codec_window(CODEC_TARGET * 0.5), 100, streams=14)  # the 14 left, further behind
+    limit.update(window_at(14, fast), peak_admitted=14, admitted=14)
+    assert limit.limit == pytest.approx(7) and limit.reason == CODEC_LATE
+
+
+def test_growth_goes_no_further_than_the_streams_the_codec_keeps_at_the_target():
+    fast = step_ms_curve(1.0, 0.0)  # an engine far ahead: its pace alone would double the limit
+    limit = CapacityLimit(initial=10, floor=1, ceiling=4096, target_pace=CPU_TARGET)
+    assert limit.judge_codec(codec_window(CODEC_TARGET * 1.3), 100, streams=10) is None
+    assert limit.codec_room == pytest.approx(1.3) and limit.codec_streams == pytest.approx(13)
+    limit.update(window_at(10, fast), peak_admitted=10, admitted=10)
+    assert limit.reason == GROWTH and limit.limit == pytest.approx(13.0)
+    limit.judge_codec(codec_window(CODEC_TARGET * 1.0, chunks=20), 100, streams=13)  # too few chunks: unchanged
+    assert limit.codec_streams == pytest.approx(13)
+
+
+def test_beside_a_codec_that_keeps_k_streams_the_limit_settles_at_k_and_never_runs_past_it():
+    """A fast engine and a codec that delivers K streams' worth of audio a second, shared by the streams admitted
+    (each gets target x K / N): from a cold start the limit reaches K and stays there. Growth by the engine's pace
+    alone, with a 10 % cut per judged codec window, ran it to 16, then back over K to 13-14 every ninth window
+    (the same loop on 54ce1aa's CapacityLimit), each time starving the streams it admitted."""
+    fast, k = step_ms_curve(1.0, 0.0), 10
+    limit = CapacityLimit(initial=4, floor=1, ceiling=4096, target_pace=CPU_TARGET)
+    seen = []
+    for _ in range(60):
+        streams = limit.streams
+        limit.judge_codec(codec_window(CODEC_TARGET * k / streams), 100, streams)
+        limit.update(window_at(streams, fast), peak_admitted=streams, admitted=streams)
+        seen.append(limit.streams)
+    assert max(seen) <= k and seen[-10:] == [k] * 10, seen
+
+
+async def test_the_worker_adds_up_codec_counts_over_windows_until_enough_came_then_cuts_by_their_pace(caplog):
+    """Runtime.watch_capacity end to end (its codec client's own counts, windows of 50 ms, 16 streams admitted under a
+    limit of 20): 20 chunks behind the codec's target say too little (28 s of waiting, where 100 frames at that pace
+    are 54 s) and move nothing; 20 more, windows later, are judged with them (40 chunks at 0.76 x that target):
+    the limit is cut once, to the 12 of the 16 streams the codec keeps at the target; the log line says over how
+    many chunks, and the room is on /metrics."""
+    from served import CharTokenizerDouble, ScriptedEngineDouble
+
+    from llm_server.config import LlmServerConfig
+    from llm_server.runtime import Runtime, codec_client_config
+    from llm_server.speech.codec_client import CodecClient
+
+    config = LlmServerConfig(snac="127.0.0.1:9", initial_streams=20, max_streams=64, target_pace=CPU_TARGET,
+                             capacity_window_s=0.05, codec_judge_chunks=100)
+    runtime = Runtime.assemble(config, ScriptedEngineDouble(), CodecClient(codec_client_config(config)),
+                               CharTokenizerDouble())
+    limit, meter, registry = runtime.admission.limit, runtime.admission.meter, runtime.metrics.registry
+
+    async def windows(n: int) -> None:  # n windows end, each with decoding enough to judge
+        for _ in range(n):
+            meter.tokens(WINDOW_TOKENS)
+            await asyncio.sleep(0.08)
+
+    def behind(chunks: int) -> None:  # chunks of owed audio at 0.76 x the codec's target pace
+        for _ in range(chunks):
+            runtime.codec._delivered(CHUNK_S, CHUNK_S / (CODEC_TARGET * 0.76))
+
+    for _ in range(16):
+        assert runtime.admission.admit() is None
+
+    meter.started(time.monotonic())  # the clock end_window reads
+    watching = asyncio.create_task(runtime.watch_capacity())
+    try:
+        with caplog.at_level(logging.INFO, logger="llm_server.runtime"):
+            await windows(1)  # the watcher has taken its first counts
+            behind(20)
+            await windows(3)
+            assert limit.streams == 20 and limit.codec_room is None, "20 chunks say too little"
+            behind(20)
+            await windows(3)
+            assert limit.streams == 12 and limit.codec_room == pytest.approx(0.76)
+            assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": CODEC_LATE}) == 1
+            assert registry.get_sample_value("megapod_worker_codec_room_ratio") == pytest.approx(0.76)
+        [line] = [r.getMessage() for r in caplog.records if "admission limit" in r.getMessage()]
+        assert "20 -> 12 streams: codec_late" in line and "over 40 chunks" in line
+        assert "codec room 0.76x, keeping 12.2 streams" in line
+    finally:
+        watching.cancel()
+        await runtime.codec.close()
+
+
+async def test_a_cold_worker_looks_at_its_limit_ten_times_a_queue_wait_while_requests_wait_for_it():
+    """Issue 43, cold start: a fresh stack's first burst waited in the queue a whole capacity window per doubling
+    (the benchmark's fresh level, 3 s of queue on a CPU: its streams' first audio over 5 s). While requests wait and
+    the limit is in its slow start, the worker looks again every tenth of the queue's wait; otherwise each window."""
+    from served import CharTokenizerDouble, ScriptedEngineDouble
+
+    from llm_server.config import LlmServerConfig
+    from llm_server.runtime import Runtime, codec_client_config
+    from llm_server.speech.codec_client import CodecClient
+
+    config = LlmServerConfig(snac="127.0.0.1:9", initial_streams=2, max_streams=8, target_pace=CPU_TARGET,
+                             admission_queue_s=3.0)
+    runtime = Runtime.assemble(config, ScriptedEngineDouble(), CodecClient(codec_client_config(config)),
+                               CharTokenizerDouble())
+    admission = runtime.admission
+    try:
+        assert runtime.capacity_tick_s() == config.capacity_window_s
+        assert admission.admit() is None and admission.admit() is None
+        waiting = asyncio.create_task(admission.enter(wait_s=3.0))
+        await asyncio.sleep(0)
+        assert admission.queued == 1 and runtime.capacity_tick_s() == pytest.approx(0.3)
+        admission.limit.codec_trouble(CODEC_FAILOVER)  # cut: past the slow start, growth is careful anyway
+        admission.limit.update(window_at(2, step_ms_curve(1.0, 0.0)), peak_admitted=2, admitted=2)
+        assert not admission.limit.slow_start and runtime.capacity_tick_s() == config.capacity_window_s
+        waiting.cancel()
+    finally:
+        await runtime.codec.close()

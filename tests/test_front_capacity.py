@@ -290,6 +290,27 @@ async def test_a_request_past_the_limit_waits_for_the_slot_that_frees_instead_of
         assert registry.get_sample_value("megapod_worker_refusals_total", {"cause": "capacity"}) == 1
 
 
+async def test_a_client_that_leaves_while_it_waits_for_a_slot_leaves_the_queue_and_is_never_handed_one(snac_server):
+    """Issue 43: a request waiting in the admission queue whose client goes away leaves the queue then, so the slot
+    that frees goes to the next waiting (or stays free), not to a stream nobody will hear (an engine request and a
+    codec session for nobody)."""
+    engine = ScriptedEngineDouble(frames=40, frames_per_batch=1, batch_delay_s=0.05)  # 2 s streams
+    async with serving(snac_server, engine, max_streams=1, admission_queue_s=30.0) as served, \
+            httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        admission = served.runtime.admission
+        first = asyncio.create_task(http.post("/v1/audio/speech", json=body()))
+        await _until(lambda: admission.active == 1)
+        leaving = asyncio.create_task(http.post("/v1/audio/speech", json=body()))
+        await _until(lambda: admission.queued == 1)
+        leaving.cancel()  # the client closes its connection
+        await _until(lambda: admission.queued == 0)
+        assert not first.done(), "it left the queue while the slot was still held"
+        assert (await first).status_code == 200
+        await _until(lambda: admission.active == 0)
+        await asyncio.sleep(0.3)
+        assert admission.active == 0 and len(engine.prompts) == 1, "nobody's stream was started"
+
+
 async def test_the_front_lets_only_its_first_choice_of_worker_queue_a_request():
     """Every worker at its limit: the request may wait at the first worker tried (the most free); the others are
     asked not to queue it (ADMISSION_WAIT 0), so it waits once and not once a worker."""

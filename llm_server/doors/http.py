@@ -51,13 +51,44 @@ def trim_of(config: LlmServerConfig) -> SilenceTrim | None:
 
 
 async def open_session(request: Request, spec: SpeechSpec, name: str) -> SpeechSession:
-    """An HTTP request's stream, admitted after waiting for a slot as long as admission_wait() allows, or a 429.
-    The session id names engine and codec requests: unique even if clients reuse X-Request-Id."""
+    """An HTTP request's stream, admitted after waiting for a slot as long as admission_wait() allows, or a 429;
+    a client that leaves while it waits leaves the queue then (its place is the next one's, not a slot handed to
+    nobody). The session id names engine and codec requests: unique even if clients reuse X-Request-Id."""
+    request_id, wait_s = f"{name}-{uuid.uuid4().hex[:16]}", admission_wait(request)
+    opening = asyncio.ensure_future(SpeechSession.open(request.app.state.runtime, spec,
+                                                       getattr(request.state, "api_key", None), request_id, wait_s))
+    if wait_s > 0:
+        gone = asyncio.ensure_future(_disconnected(request))  # the body is read: what comes next is the disconnect
+        try:
+            await asyncio.wait({opening, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled: nothing may stay queued or held for it
+            await _abandon(opening)
+            raise
+        finally:
+            gone.cancel()
+        if not opening.done():
+            await _abandon(opening)
+            log.info("%s: client disconnected while waiting for a slot", request_id)
+            raise ApiError(499, "the client closed the request while it waited for a slot")
     try:
-        return await SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None),
-                                        f"{name}-{uuid.uuid4().hex[:16]}", admission_wait(request))
+        return await opening
     except Refused as exc:
         raise refused_error(exc) from None
+
+
+async def _abandon(opening: asyncio.Future[SpeechSession]) -> None:
+    """Stop waiting for a slot: out of the queue (AdmissionController.enter gives back a slot it was just handed),
+    or the session it was given closed."""
+    opening.cancel()
+    await asyncio.wait({opening})
+    if not opening.cancelled() and opening.exception() is None:
+        await opening.result().close()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def admission_wait(request: Request) -> float:
@@ -182,9 +213,6 @@ def sse_error(message: str) -> bytes:
 
 async def _close_on_disconnect(request: Request, session: SpeechSession) -> None:
     """Stop generating the moment the client goes, not at the next chunk we fail to send."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            log.info("%s: client disconnected", session.request_id)
-            session.cancel("disconnected")
-            return
+    await _disconnected(request)
+    log.info("%s: client disconnected", session.request_id)
+    session.cancel("disconnected")
