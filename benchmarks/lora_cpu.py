@@ -73,12 +73,13 @@ async def on_an_engine_of_its_own(cases: dict[str, list[Adapter | None]], lora: 
     await engine.start()
     started_s = time.perf_counter() - start
     try:
-        return _figures(await on(engine, cases, args), started_s)
+        return _figures(await load_and_measure(engine, cases, args), started_s)
     finally:
         await engine.shutdown()
 
 
-async def on(engine, cases: dict[str, list[Adapter | None]], args: argparse.Namespace) -> dict[str, list[float]]:
+async def load_and_measure(engine, cases: dict[str, list[Adapter | None]],
+                           args: argparse.Namespace) -> dict[str, list[float]]:
     for adapter in {a for adapters in cases.values() for a in adapters if a is not None}:
         await engine.load_adapter(adapter)
     return await measure(engine, cases, args.repeats, args.tokens)
@@ -118,7 +119,7 @@ async def run(args: argparse.Namespace, engine=None) -> dict:
         measured = {}
         if engine is not None:
             [lora] = ENGINES[args.lora]
-            measured = _figures(await on(engine, by_engine[lora], args), None)
+            measured = _figures(await load_and_measure(engine, by_engine[lora], args), None)
         else:
             for lora in ENGINES[args.lora]:
                 measured |= await on_an_engine_of_its_own(by_engine[lora], lora, args)

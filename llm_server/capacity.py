@@ -25,9 +25,9 @@ holds this on such curves). The codec tier's headroom counts too: a codec stream
 replica refusing, stalling or gone) shrinks the limit by CODEC_BACKOFF; CodecWindow's judgment that the codec
 delivered its owed audio slower than the target pace over enough of it (a replica that cannot keep up, its
 streams' waits counted as they run; not a few late chunks in a burst) shrinks it by the same gradient as the
-engine's: to the streams sharing the codec x its pace / (target x CODEC_HEADROOM) (a codec shared by the streams it owes gives
-each its throughput over their number; at most halving, at least CODEC_BACKOFF of those streams); either at
-most once a window, then no growth for CODEC_HOLD_WINDOWS. That judged figure also bounds growth: no more than
+engine's: to the streams sharing the codec x its pace / (target x CODEC_HEADROOM) (a codec shared by the streams
+it owes gives each its throughput over their number; at most halving, at least CODEC_BACKOFF of those streams);
+either at most once a window, then no growth for CODEC_HOLD_WINDOWS. That judged figure also bounds growth: no more than
 the streams the codec keeps at the target (an engine with headroom beside a codec without used to grow the
 limit to 2-3x what the codec kept). The limit stays within [floor, ceiling].
 """
@@ -55,7 +55,7 @@ CODEC_BACKOFF = 0.9
 # The codec's owed audio is judged against the target pace x this: it comes in rounds (a chunk of every stream per
 # batch), so a codec just at the target pace on average leaves streams waiting a round for their next chunk, past a
 # listener's buffer. Measured beside CPU replicas (benchmarks/README.md, concurrency.py --admission run 7): the limit
-# held at the streams the codec kept at 1.0x the target (14-18), where the listener's search kept 9-10.
+# held at the streams the codec kept at 1.0x the target (12-18), where the listener's pinned search kept 9.
 CODEC_HEADROOM = 1.5
 CODEC_HOLD_WINDOWS = 5  # after a codec backoff the limit does not grow for this many windows
 # Past the slow start, a growth is not followed by another until the streams it admitted have shown what they cost
@@ -263,8 +263,8 @@ class CapacityLimit:
         """The codec tier's counts since its last judgment, `streams` sharing it now (the admitted), against the target
         pace x CODEC_HEADROOM: once enough came, the streams it keeps at that target, streams x pace / target (a codec
         shared by the streams it owes gives each its throughput over their number), the most growth may reach; behind
-        that target, its trouble noted for the
-        next update (and returned): the limit cut to those streams, by at least CODEC_BACKOFF of them. Streams still
+        that target, its trouble noted for the next update (and returned): the limit cut to those streams, by at least
+        CODEC_BACKOFF of them. Streams still
         over a limit just cut are counted, not the limit: the next judgment cuts no further than what they showed."""
         target = self.codec_target
         trouble = window.trouble(target, judge_chunks)

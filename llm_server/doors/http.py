@@ -55,9 +55,10 @@ async def open_session(request: Request, spec: SpeechSpec, name: str) -> SpeechS
     a client that leaves while it waits leaves the queue then (its place is the next one's, not a slot handed to
     nobody). The session id names engine and codec requests: unique even if clients reuse X-Request-Id."""
     request_id, wait_s = f"{name}-{uuid.uuid4().hex[:16]}", admission_wait(request)
-    opening = asyncio.ensure_future(SpeechSession.open(request.app.state.runtime, spec,
-                                                       getattr(request.state, "api_key", None), request_id, wait_s))
-    if wait_s > 0:
+    opening = SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None), request_id,
+                                 wait_s)
+    if wait_s > 0:  # a task of its own only where it may wait: raced against the client leaving
+        opening = asyncio.ensure_future(opening)
         gone = asyncio.ensure_future(_disconnected(request))  # the body is read: what comes next is the disconnect
         try:
             await asyncio.wait({opening, gone}, return_when=asyncio.FIRST_COMPLETED)
