@@ -152,7 +152,8 @@ class LlmServerConfig(Settings):
     # every step, used or not); true: on from the start, for adapters added later to an empty directory.
     enable_lora: bool | None = None
     max_loras: int = Field(4, ge=1)  # different adapters in one batch
-    max_lora_rank: int = Field(16, json_schema_extra={"enum": list(LORA_RANKS)})  # an adapter of a higher rank is refused
+    # An adapter of a higher rank is refused; 32 is the rank Canopy's own LoRA recipe trains (finetune/lora.py).
+    max_lora_rank: int = Field(32, json_schema_extra={"enum": list(LORA_RANKS)})
     max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept loaded (least recently used go); unset: max_loras
     speculative_config: str = ""  # JSON, passed through to the engine
     grace_s: float = 30.0

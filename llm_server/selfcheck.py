@@ -40,6 +40,10 @@ TEXT = "The quick brown fox jumps over the lazy dog, and the doctor listens to e
 KERNELS_INSTALL = "`vllm download-kernels` (vLLM's own command; it runs `python -m flashinfer download-kernels`)"
 
 
+class PreflightError(RuntimeError):
+    """The engine would compile kernels at start-up or run others than it asks for: said before it starts."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionComparison:
     """Attention settings timed beside the main run (LlmServerConfig's attention fields)."""
@@ -150,13 +154,24 @@ def trtllm_unsupported(capability: tuple[int, int] | None) -> str | None:
     return f"vLLM runs TRT-LLM attention on SM90, SM100/103 and SM12x only; this GPU is SM{major}{minor}"
 
 
-def skip_reason(comparison: AttentionComparison, cuda_version: str | None, capability: tuple[int, int] | None,
-                env: Mapping[str, str]) -> str | None:
-    """Why `comparison` cannot measure the kernels it names on this machine, or None."""
-    reasons = [missing_kernel_packages(cuda_version, env) if comparison.attention_backend == "FLASHINFER" else None,
-               trtllm_unsupported(capability) if comparison.trtllm_attention == "on" else None]
+def preflight(config: LlmServerConfig, cuda_version: str | None, capability: tuple[int, int] | None,
+              env: Mapping[str, str]) -> str | None:
+    """Why an engine with `config` would not run the kernels it asks for on this machine, or would compile
+    FlashInfer's at start-up (minutes, or a failed start offline), or None. FlashInfer runs in the engine for its
+    attention backend, and for its fused sampler only where an operator turned that on again
+    (VLLM_USE_FLASHINFER_SAMPLER: the worker turns it off on CUDA, engine/vllm.py)."""
+    sampler = env.get("VLLM_USE_FLASHINFER_SAMPLER", "0") not in ("", "0")
+    reasons = [missing_kernel_packages(cuda_version, env) if config.attention_backend == "FLASHINFER" or sampler
+               else None,
+               trtllm_unsupported(capability) if config.trtllm_attention == "on" else None]
     reasons = [r for r in reasons if r]
     return "; ".join(reasons) if reasons else None
+
+
+def skip_reason(plan_: LlmPlan, comparison: AttentionComparison, cuda_version: str | None,
+                capability: tuple[int, int] | None, env: Mapping[str, str]) -> str | None:
+    """Why `comparison` cannot measure the kernels it names on this machine, or None."""
+    return preflight(plan_.config.replace(**comparison.settings), cuda_version, capability, env)
 
 
 def kernels_as_asked(comparison: AttentionComparison, engine: Mapping[str, object]) -> bool:
@@ -230,6 +245,31 @@ async def _step_time_once(engine: VllmEngine, prompt: list[int], batch: int, tok
     return 1000.0 * statistics.median(per_token) if per_token else float("nan")
 
 
+async def steady_step_time_ms(engine: VllmEngine, prompt: list[int], batch: int, tokens: int, rounds: int = 2) -> float:
+    """Time per token of a stream while `batch` streams decode and new ones keep arriving, as in serving: `batch`
+    lanes each run streams back to back, the first of lane i cut to (i + 1) / batch of `tokens`, so the lanes'
+    new prompts are spread over the steps (about batch / tokens a step) instead of all in the first; the median
+    over streams of their time per token while every lane is busy past its first stream. Uniform decode
+    (step_time_ms) never carries a prompt beside the decodes; serving nearly always does."""
+    async def lane(i: int) -> list[list[float]]:
+        lengths = [max(1, round(tokens * (i + 1) / batch))] + [tokens] * rounds
+        return [(await _stream(engine, prompt, Sampling(max_tokens=n, seed=5000 + i * 10 + k),
+                               f"doctor-steady-{batch}-{i}-{k}"))[1] for k, n in enumerate(lengths)]
+
+    lanes = await asyncio.gather(*(lane(i) for i in range(batch)))
+    if not all(all(times) for runs in lanes for times in runs):
+        return float("nan")
+    start = max(runs[1][0] for runs in lanes)  # every lane past its first (staggering) stream
+    end = min(runs[-1][-1] for runs in lanes)  # none has run out of streams
+    per_token = []
+    for times in (times for runs in lanes for times in runs[1:]):
+        inside = [t for t in times if start <= t <= end]
+        later = sum(1 for t in inside if t > inside[0]) if inside else 0
+        if later:
+            per_token.append((inside[-1] - inside[0]) / later)
+    return 1000.0 * statistics.median(per_token) if per_token else float("nan")
+
+
 def realtime_streams(step_ms: dict[int, float]) -> float:
     """Streams one engine keeps real time: where the step time reaches the budget, interpolated between
     the measured batch sizes; 0 when one stream is already too slow, the largest batch when none is."""
@@ -269,6 +309,10 @@ async def run_engine(plan_: LlmPlan, config: LlmServerConfig, check_constraint: 
         result["step_ms"] = {b: round(ms, 2) for b, ms in steps.items()}
         result["realtime_streams"] = round(realtime_streams(steps), 1)
         result["admission_settles_at"] = admission_settles_at(config, steps)
+        steady = {b: await steady_step_time_ms(engine, prompt, b, plan_.tokens_per_stream) for b in plan_.batches}
+        result["steady"] = {"step_ms": {b: round(ms, 2) for b, ms in steady.items()},
+                            "realtime_streams": round(realtime_streams(steady), 1),
+                            "admission_settles_at": admission_settles_at(config, steady)}
     finally:
         await engine.shutdown()
     return result
@@ -298,15 +342,19 @@ async def time_precision(plan_: LlmPlan, name: str, settings: Mapping[str, objec
 
 async def check_llm(plan_: LlmPlan) -> dict[str, object]:
     """The engine as the worker runs it (attention auto), each precision the plan names, then each attention
-    comparison that this machine can run."""
+    comparison that this machine can run. On a GPU the main engine is checked before it starts, as each
+    comparison is: PreflightError where it would compile FlashInfer's kernels or not run those it asks for."""
+    gpu = plan_.config.resolved_device != "cpu"
+    cuda_version, capability = _gpu_kernel_facts() if gpu else (None, None)
+    if gpu and (why := preflight(plan_.config, cuda_version, capability, os.environ)):
+        raise PreflightError(f"the engine would not start as the worker runs it: {why}")
     main = await run_engine(plan_, plan_.config, check_constraint=True)
     main["precisions"] = [await time_precision(plan_, name, settings) for name, settings in plan_.precisions]
-    if plan_.config.resolved_device == "cpu":
+    if not gpu:
         return {**main, "attention_comparisons": [],
                 "attention_note": "not applicable on CPU: vLLM's CPU backend has its own attention"}
-    cuda_version, capability = _gpu_kernel_facts()
     main["attention_comparisons"] = [
-        await compare(plan_, c, skip_reason(c, cuda_version, capability, os.environ)) for c in plan_.comparisons]
+        await compare(plan_, c, skip_reason(plan_, c, cuda_version, capability, os.environ)) for c in plan_.comparisons]
     main["attention_note"] = ("step_ms above: attention auto (the worker's default), kernels in engine; each "
                               "comparison lists the kernels its own engine ran")
     return main

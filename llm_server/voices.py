@@ -120,6 +120,7 @@ class VoiceRegistry:
         self.vendor_fallback = vendor_fallback
         self.held_adapters = held_adapters  # how many adapters the engine keeps loaded (max_cpu_loras)
         self._loaded: OrderedDict[str, None] = OrderedDict()  # LoRA voices the engine has loaded, most recent last
+        self.unavailable: dict[str, str] = {}  # the voices directory's voices not offered -> why
 
     @classmethod
     def of(cls, config: LlmServerConfig, model_dir: str | None = None) -> VoiceRegistry:
@@ -136,9 +137,11 @@ class VoiceRegistry:
     def is_checkpoints(self, name: str) -> bool:
         return name.lower() in self._checkpoint
 
-    def update_own(self, found: Sequence[Voice]) -> None:
-        """Replace the voices directory's voices with `found` (named unlike the checkpoint's)."""
+    def update_own(self, found: Sequence[Voice], unavailable: Mapping[str, str] | None = None) -> None:
+        """Replace the voices directory's voices with `found` (named unlike the checkpoint's), and those it holds
+        that are not offered with `unavailable` (name -> why)."""
         self._voices = {**self._checkpoint, **{v.name.lower(): v for v in found}}
+        self.unavailable = dict(unavailable or {})
         for gone in [name for name in self._loaded if name not in self._voices]:
             del self._loaded[gone]
 
@@ -200,11 +203,13 @@ class VoiceRegistry:
 
     def listing(self) -> dict[str, object]:
         """GET /v1/voices: an OpenAI-style list and the aliases; `voices` is ElevenLabs' list (its clients'
-        list_voices reads voice_id, name and category)."""
+        list_voices reads voice_id, name and category); `unavailable` the voices directory's voices that are not
+        offered, each with why (an adapter the engine refuses, a file that does not parse)."""
         return {"object": "list",
                 "data": [{"id": v.name, "object": "voice", "name": v.name, "kind": v.kind, "language": v.language}
                          for v in self._voices.values()],
                 "aliases": dict(self.aliases),
+                "unavailable": [{"id": name, "reason": why} for name, why in sorted(self.unavailable.items())],
                 "voices": [{"voice_id": v.name, "name": v.name, "category": v.kind} for v in self._voices.values()]}
 
 
@@ -301,6 +306,7 @@ class VoicesDirectory:
         self._seen_root_mtime: int | None = None
         self._lock = asyncio.Lock()  # one refresh at a time (the poll, and a clone made or deleted)
         self._making: set[str] = set()  # names an upload of this worker is making now
+        self._problems: dict[str, str] = {}  # voice directory -> why it is not offered, kept while it is unchanged
 
     @contextlib.contextmanager
     def making(self, name: str) -> Iterator[bool]:
@@ -333,11 +339,14 @@ class VoicesDirectory:
                         await load(voice.adapter)
                     except Exception as exc:
                         log.warning("voice %r (%s) is not offered: %s", name, self.root / name, exc)
+                        self._problems[name] = str(exc)
                         continue
+                    self._problems.pop(name, None)
                     self._loaded.add(voice.adapter.id)
                     loaded_now.append(voice)
                 usable.append(voice)
-            registry.update_own(usable)
+            self._problems = {name: why for name, why in self._problems.items() if name in known}
+            registry.update_own(usable, self._problems)
             for voice in loaded_now:  # the engine holds what it just loaded
                 registry.used(voice)
             log.info("voices directory %s: %d voices (%s)%s%s", self.root, len(usable), _kinds(usable),
@@ -404,8 +413,9 @@ class VoicesDirectory:
             return ()
 
     def _voice(self, name: str, reading: tuple, registry: VoiceRegistry) -> Voice | None:
-        """The voice in sub-directory `name`, or None (logged) if it is none."""
+        """The voice in sub-directory `name`, or None (logged, and kept as why it is not offered) if it is none."""
         path = self.root / name
+        self._problems.pop(name, None)  # read again: what was wrong may be mended
         try:
             if not VOICE_NAME.match(name):
                 raise ValueError("not a voice name (no spaces, colons or leading dot; at most 64 characters)")
@@ -427,6 +437,7 @@ class VoicesDirectory:
                 return Voice(name, LORA, about.language, about.speaker, Adapter(f"{name}@{version}", version, str(path)))
         except (OSError, ValueError) as exc:  # pydantic's ValidationError and JSONDecodeError are ValueErrors
             log.warning("voice %r (%s) is not offered: %s", name, path, exc)
+            self._problems[name] = str(exc)
             return None
         log.debug("%s holds no voice (no %s or %s)", path, ADAPTER_CONFIG, CLONE_FILE)
         return None

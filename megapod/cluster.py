@@ -75,10 +75,10 @@ def _cluster_megapod(**changes: object) -> MegaPodConfig:
     return MegaPodConfig(**{**base, **changes})  # type: ignore[arg-type]
 
 
-# The engine of an H100 worker at full tilt (values.yaml says why each): 512 streams a step, CUDA Graphs up to
-# that batch, a step's tokens for 512 decodes and a 512-token chunk of new prompts, async scheduling.
+# The engine of an H100 worker at full tilt (values.yaml says why each): 512 streams a step, a step's tokens for
+# 512 decodes and a 512-token chunk of new prompts, CUDA Graphs up to every step it schedules, async scheduling.
 # tests/test_deploy_chart.py builds vLLM 0.33's configs from the rendered profiles.
-FULL_TILT = {"max_num_seqs": 512, "max_cudagraph_capture_size": 512, "max_num_batched_tokens": 1024,
+FULL_TILT = {"max_num_seqs": 512, "max_cudagraph_capture_size": 1024, "max_num_batched_tokens": 1024,
              "async_scheduling": True}
 # One 8-GPU node: 7 LLM workers on a GPU each, 3 SNAC replicas on MIG instances of the 8th. Decode
 # attention runs TensorRT-LLM's XQA kernel through FlashInfer (the image carries its cubins).

@@ -37,7 +37,7 @@ SAMPLES = {"voices": (*LlmServerConfig.default("voices"), "extra"), "voice_alias
            "repetition_penalty": 1.3, "workers_dns": "llm.ns.svc:8000", "workers": "http://10.0.0.5:8000",
            "max_streams": 8, "max_streams_per_worker": 8, "min_streams_per_worker": 2,  # defaults None: the tier's
            "target_pace": 1.2, "admission_queue_s": 0.5, "codec_stall_timeout_s": 3.5, "max_num_seqs": 512, "max_num_batched_tokens": 1024, "async_scheduling": True,
-           "enable_lora": True, "max_lora_rank": 32, "max_cpu_loras": 8,
+           "enable_lora": True, "max_lora_rank": 64, "max_cpu_loras": 8,
            "max_cudagraph_capture_size": 512}
 COMPANIONS = {"tls_cert": {"tls_key": "k"}, "tls_key": {"tls_cert": "c"}, "tls_client_ca": {"tls_cert": "c", "tls_key": "k"},
               "codec_tls_cert": {"codec_tls_key": "k", "codec_tls_ca": "ca"},

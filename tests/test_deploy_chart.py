@@ -529,6 +529,21 @@ def test_autoscaling_on_the_share_of_measured_capacity_held() -> None:
     assert 0 < float(metric["pods"]["target"]["averageValue"]) <= 1
 
 
+@pytest.mark.parametrize("render", ["helm-h100", "kustomize-h100"])
+def test_what_compiles_at_start_is_kept_on_the_cache_claim_not_in_home(render: str) -> None:
+    """vLLM keeps its torch.compile artifacts under ~/.cache/vllm (envs.py: VLLM_CACHE_ROOT), Triton, Inductor and
+    FlashInfer theirs under HOME or /tmp too: emptyDirs, so each of the seven pods compiled again at every start
+    (issue 44, finding 5). Each goes under the cache claim's mount instead."""
+    worker = llm(rendered(render))
+    (cache,) = [m for m in container(worker)["volumeMounts"] if m["name"] == "cache"]
+    (volume,) = [v for v in worker["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache"]
+    assert "persistentVolumeClaim" in volume
+    home = env(worker)["HOME"]
+    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
+        path = env(worker).get(name)
+        assert path and Path(path).is_relative_to(cache["mountPath"]) and not Path(path).is_relative_to(home), name
+
+
 def test_model_from_a_volume_claim() -> None:
     objects = helm_render("h100", ("llm.model.source=pvc", "llm.model.pvc.claimName=orpheus-weights"))
     worker = llm(objects)
@@ -988,8 +1003,11 @@ def test_the_profile_is_vllm_0_33s_to_take(resolved, profile):
 def test_h100_engines_run_at_full_tilt(resolved, profile):
     got = resolved[profile]
     assert got["max_num_seqs"] >= 512
-    # every batch the profile may admit replays a CUDA Graph (vLLM's own default stops at 512)
+    # every batch the profile may admit replays a CUDA Graph (vLLM's own default stops at 512), and so does every
+    # step it schedules: a step over the largest captured size runs eager (config/vllm.py, _set_cudagraph_sizes),
+    # and at 400-512 streams nearly every step is the full batch's decodes beside a new prompt's chunk (issue 44)
     assert got["max_cudagraph_capture_size"] >= got["max_num_seqs"]
+    assert got["max_cudagraph_capture_size"] >= got["max_num_batched_tokens"]
     # a new stream's whole prompt fits one step beside a full batch of decodes: chunked prefill never needs
     # to split an Orpheus prompt, and no prompt waits for the step budget
     assert got["chunked_prefill"] and got["max_num_batched_tokens"] >= got["max_num_seqs"] + longest_prompt()
@@ -1000,6 +1018,23 @@ def test_h100_engines_run_at_full_tilt(resolved, profile):
     assert got["async_scheduling"] is True and got["scheduler"] == "AsyncScheduler"
     assert got["logits_processors"] == ["FrameConstraintV1"]  # what engine_args hands vLLM's V1 runner
     assert got["attention_backend"].endswith("FLASHINFER") and got["trtllm_attention"] is True
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_the_first_start_compiles_no_flashinfer_sampler(resolved, profile):
+    """Model Runner V2 warms its sampler with unseeded top-k/top-p requests, which FlashInfer's fused sampler would
+    take, compiling its kernels at start (or failing) where none are precompiled (issue 44, finding 1); the worker
+    turns it off on CUDA (every request of ours is seeded, which that sampler never serves)."""
+    assert resolved[profile]["flashinfer_sampler"] is False
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_the_v1_runner_forced_on_cuda_is_warned_of(resolved, profile):
+    """Model Runner V2 is the CUDA default and draws every seeded row's noise in one kernel; forced back to V1, the
+    sampler launches one per seeded row each step, and every stream of ours is seeded (issue 44, item 6)."""
+    warned = resolved[profile]["v1_runner_warning"]
+    assert warned["default"] is None
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in warned["forced"] and "per seeded stream" in warned["forced"]
 
 
 def test_h100_is_bf16_and_h100_fp8_quantizes_weights_and_kv_cache_as_they_load(resolved):

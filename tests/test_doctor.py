@@ -54,6 +54,16 @@ def test_the_llm_checks_ran_the_worker_engine(report):
     assert report["figures"]["llm"]["precisions"] == []  # FP8 is timed on a GPU only
 
 
+def test_the_llm_is_timed_with_new_streams_arriving_too(report):
+    """Uniform decode (every stream admitted at once, one prompt) is optimistic: serving's steps carry new
+    prompts beside the decodes. The steady-arrival timing is reported beside it, at the same batches (issue 44,
+    finding 3)."""
+    llm, steady = report["figures"]["llm"], report["figures"]["llm"]["steady"]
+    assert set(steady["step_ms"]) == set(llm["step_ms"]) and all(ms > 0 for ms in steady["step_ms"].values())
+    assert report["figures"]["steady_realtime_streams_per_llm_gpu"] == steady["realtime_streams"]
+    assert report["figures"]["steady_admitted_streams_per_llm_gpu"] == steady["admission_settles_at"]
+
+
 def test_on_cpu_gpu_only_parts_say_so(report):
     assert report["attention"]["note"].startswith("not applicable on CPU") and report["attention"]["comparisons"] == []
     assert "GPU figures need a GPU" in report["note"]

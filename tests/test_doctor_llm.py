@@ -143,6 +143,24 @@ async def test_check_llm_reports_each_comparisons_kernels_beside_its_figures(fak
     assert "frame_constraint" not in on and "skipped" not in on
 
 
+async def test_the_main_engine_is_checked_before_it_starts_as_the_comparisons_are(fake_gpu, installed, monkeypatch):
+    """The main engine's FlashInfer (its attention backend, or the fused sampler turned on again) needs the same
+    precompiled kernels as a comparison's; without them the doctor says so before starting it, where the engine
+    would compile for minutes or fail (issue 44, finding 1)."""
+    plan_, started = fake_gpu
+    installed.update({k: v for k, v in ALL_KERNELS.items() if k != "flashinfer-cubin"})
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    with pytest.raises(llm.PreflightError, match="flashinfer-cubin not installed"):
+        await llm.check_llm(plan_)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    flashinfer = llm.LlmPlan(**{**plan_.__dict__, "config": plan_.config.replace(attention_backend="FLASHINFER")})
+    with pytest.raises(llm.PreflightError, match="flashinfer-cubin not installed"):
+        await llm.check_llm(flashinfer)
+    assert started == []  # no engine was started
+    await llm.check_llm(plan_)  # attention auto and the sampler off: nothing of FlashInfer's is compiled
+    assert started[0] == ("auto", "auto")
+
+
 def test_gpu_plan_times_the_h100_profiles_engine_at_every_batch_up_to_512_and_again_in_fp8(tmp_path):
     """megapod doctor times what the deployed profiles run (megapod/cluster.py), not settings of its own."""
     from megapod.doctor import profile_engines
@@ -150,7 +168,7 @@ def test_gpu_plan_times_the_h100_profiles_engine_at_every_batch_up_to_512_and_ag
     engine, precisions = profile_engines()
     planned = llm.plan("cuda", tmp_path, TINY_CACHE, False, engine, precisions)
     config = planned.config
-    assert (config.max_num_seqs, config.max_cudagraph_capture_size, config.async_scheduling) == (512, 512, True)
+    assert (config.max_num_seqs, config.max_cudagraph_capture_size, config.async_scheduling) == (512, 1024, True)
     assert planned.batches == (1, 16, 64, 128, 256, 384, 512)
     assert (config.attention_backend, config.quantization, config.kv_cache_dtype) == ("auto", "", "auto")
     assert planned.precisions == (("fp8", {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}),)

@@ -197,3 +197,28 @@ def test_the_slot_sampler_penalises_what_the_request_already_said():
     spec = {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 4.0}
     assert set(sampler_picks(logits, spec, range(200), said)) == {low + 2}
     assert set(sampler_picks(logits, {**spec, "repetition_penalty": 1.0}, range(200), said)) == {low + 1, low + 2}
+
+
+def test_vllm_0_33s_own_loader_builds_the_v2_processor_and_steps_it_with_its_own_context():
+    """The GPU image runs vLLM 0.33's Model Runner V2, not the CPU 0.32 these tests import: its loader
+    (build_custom_logits_processors) checks the class against the V2 interface and constructs it as the runner
+    does, and its LogitsContext is built by field name, so signature drift fails here rather than at a pod's start
+    (issue 44, item 6). tests/engine_config_probe.py runs it with the release's files first on the path."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    assert (repo / ".vllm-gpu" / "vllm").is_dir(), "`make test` fetches vLLM's CUDA release into .vllm-gpu"
+    done = subprocess.run([sys.executable, str(repo / "tests" / "engine_config_probe.py"), "frame-constraint-v2"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{repo / '.vllm-gpu'}{os.pathsep}{repo}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["class"] == "FrameConstraintV2" and got["opted"] == [True, True, False]
+    (first0, last0), (first3, last3) = got["slot_ranges"]
+    # 0 tokens generated: slot 0 and end of speech; 3: slot 3 only; a request that did not opt in: every id
+    assert got["allowed"] == [[END_OF_SPEECH, last0 - 1, 4097], [first3, last3 - 1, 4096], [0, VOCAB - 1, VOCAB]]
+    assert END_OF_SPEECH < first0

@@ -79,6 +79,27 @@ async def test_what_is_not_a_usable_adapter_is_logged_and_not_offered_while_the_
                  "'broken'", "scripted refusal", "'short-frames'", "every frame holds 7 codes"):
         assert said in caplog.text
     assert ".staging" not in caplog.text
+    # GET /v1/voices lists each with why, so an operator sees it without the worker's log (issue 44, finding 4)
+    why = {v["id"]: v["reason"] for v in registry.listing()["unavailable"]}
+    assert sorted(why) == ["broken", "prefix", "refused", "short-frames", "tara", "two words"]
+    assert "scripted refusal" in why["refused"] and "PREFIX_TUNING" in why["prefix"]
+
+
+async def test_a_voice_mended_in_place_is_offered_and_no_longer_listed_as_unavailable(tmp_path):
+    registry, engine = VoiceRegistry.of(LlmServerConfig()), ScriptedEngineDouble()
+    voices = VoicesDirectory(str(tmp_path))
+    peft_dir(tmp_path / "ava")
+    (tmp_path / "ava" / "voice.json").write_text("{not json")
+    engine.unloadable.add(str(tmp_path / "bob"))
+    peft_dir(tmp_path / "bob")
+    await voices.refresh(registry, engine.load_adapter)
+    assert [v["id"] for v in registry.listing()["unavailable"]] == ["ava", "bob"]
+    (tmp_path / "ava" / "voice.json").write_text('{"speaker": "tara"}')
+    engine.unloadable.clear()
+    (tmp_path / "bob" / "adapter_model.safetensors").write_bytes(b"retrained")
+    assert await voices.refresh(registry, engine.load_adapter)
+    assert registry.resolve("ava").prompt_name == "tara" and registry.resolve("bob").kind == LORA
+    assert registry.listing()["unavailable"] == []
 
 
 async def test_the_directory_is_read_again_only_when_it_changes_and_a_changed_adapter_is_a_new_one(tmp_path):
@@ -209,10 +230,20 @@ async def test_an_adapter_vllm_cannot_load_is_refused_when_found_and_never_reach
     shutil.copytree(adapters["wide"], tmp_path / "wide")  # rank 32 > max_lora_rank 16
     shutil.copytree(adapters["ava"], tmp_path / "weightless")
     (tmp_path / "weightless" / "adapter_model.safetensors").unlink()
+    # Canopy's own recipe (finetune/lora.py in canopyai/Orpheus-TTS) also saves the LM head and the embeddings
+    shutil.copytree(adapters["ava"], tmp_path / "canopy")
+    config = json.loads((tmp_path / "canopy" / "adapter_config.json").read_text())
+    (tmp_path / "canopy" / "adapter_config.json").write_text(
+        json.dumps({**config, "modules_to_save": ["lm_head", "embed_tokens"]}))
     with caplog.at_level(logging.WARNING, logger="llm_server.voices"):
         registry = await _lora_voices(lora_engine, tmp_path)
-    assert registry.get("wide") is None and registry.get("weightless") is None
+    assert registry.get("wide") is None and registry.get("weightless") is None and registry.get("canopy") is None
     assert "'wide'" in caplog.text and "rank" in caplog.text.lower() and "'weightless'" in caplog.text
+    # vLLM's own reasons, in GET /v1/voices beside the name (issue 44, finding 4)
+    why = {v["id"]: v["reason"] for v in registry.listing()["unavailable"]}
+    assert sorted(why) == ["canopy", "weightless", "wide"]
+    assert "LoRA rank 32 is greater than max_lora_rank 16" in why["wide"]
+    assert "modules_to_save" in why["canopy"] and "lm_head" in why["canopy"]
     assert await _tokens(lora_engine, "still-serving") == await _tokens(lora_engine, "still-serving-2")
 
 

@@ -209,3 +209,31 @@ async def test_long_input_is_spoken_sentence_by_sentence_as_one_stream(engine, s
     window = meter.take(time.monotonic())
     assert 0 < window.tokens < stream.generated_tokens and window.stream_s > 0 and meter.decoding_now == 0
     assert window.peak_decoding == 1
+
+
+class _RefusingEngineDouble:
+    """A test double of vLLM's AsyncLLM that refuses each request on arrival, as 0.33's paused engine does (a
+    RequestError handed back as GenerationError, or RetryableRequestError), and records the aborts asked of it."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        self.error, self.aborted = error, []
+
+    async def generate(self, *args, **kwargs):
+        raise self.error("refused on arrival")
+        yield  # an async generator, as AsyncLLM.generate is
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+@pytest.mark.parametrize("error", ["GenerationError", "RetryableRequestError"])
+async def test_a_request_the_engine_refuses_on_arrival_is_an_engine_error_and_aborted(error):
+    """vLLM 0.33's GenerationError is the engine's failure, not the client's: it reaches the doors as EngineError
+    (a 5xx, the stream's resources freed) like EngineDeadError, not as an unhandled exception (issue 44, item 6)."""
+    import vllm.exceptions
+
+    engine = VllmEngine(LlmServerConfig(device="cpu"), "unused")
+    engine._engine = _RefusingEngineDouble(getattr(vllm.exceptions, error))
+    with pytest.raises(EngineError, match="refused on arrival"):
+        await _generate(engine, Sampling(max_tokens=7, seed=1), "refused")
+    assert engine._engine.aborted == ["refused"]

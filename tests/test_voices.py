@@ -54,7 +54,7 @@ def test_a_checkpoints_voices_file_replaces_the_configured_voices_and_drops_alia
     assert voices.voices == [Voice("pierre", CHECKPOINT, None), Voice("amelie", CHECKPOINT, "fr")]
     assert voices.aliases == {}  # OpenAI's names point at the English voices
     assert "aliases left out" in caplog.text and "alloy" in caplog.text
-    assert voices.listing() == {"object": "list", "aliases": {}, "data": [
+    assert voices.listing() == {"object": "list", "aliases": {}, "unavailable": [], "data": [
         {"id": "pierre", "object": "voice", "name": "pierre", "kind": "checkpoint", "language": None},
         {"id": "amelie", "object": "voice", "name": "amelie", "kind": "checkpoint", "language": "fr"}],
         "voices": [{"voice_id": "pierre", "name": "pierre", "category": "checkpoint"},  # ElevenLabs' list_voices

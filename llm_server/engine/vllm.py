@@ -51,6 +51,16 @@ def _cpu_environment(config: LlmServerConfig) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def _cuda_environment() -> None:
+    """FlashInfer's fused top-k/top-p sampler off (an operator's own value wins): Model Runner V2 warms its sampler
+    with unseeded top-k/top-p requests (v1/worker/gpu/warmup.py), which take that sampler, and where FlashInfer has
+    no precompiled sampling kernels it compiles them at start-up (minutes; it needs nvcc and ninja) or the start
+    fails (vllm#42393): vLLM 0.33's `flashinfer_sampler_supported` checks for neither. Every request of ours
+    carries a seed (speech/stream.py), and a seeded row never takes the fused sampler
+    (v1/worker/gpu/sample/sampler.py: any_explicit_seed), so serving loses nothing."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
 def engine_args(config: LlmServerConfig, model_dir: str):
     """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -58,6 +68,8 @@ def engine_args(config: LlmServerConfig, model_dir: str):
     device = config.resolved_device
     if device == "cpu":
         _cpu_environment(config)
+    else:
+        _cuda_environment()
     return AsyncEngineArgs(
         model=model_dir,
         tokenizer=config.tokenizer or model_dir,
@@ -102,6 +114,17 @@ def refuse_speculation_on_v1(vllm_config) -> None:
     )
 
 
+def v1_runner_on_cuda(vllm_config) -> str | None:
+    """What a CUDA engine forced onto the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) costs, or None: its sampler draws
+    each seeded row's noise with a kernel of its own, launched from Python, every step (v1/sample/ops/
+    topk_topp_sampler.py, random_sample), and every request of ours is seeded: 512 launches a step at full tilt."""
+    if vllm_config.device_config.device_type != "cuda" or vllm_config.use_v2_model_runner:
+        return None
+    return ("vLLM's V1 runner on CUDA (VLLM_USE_V2_MODEL_RUNNER=0): its sampler launches one kernel per seeded "
+            "stream per step from Python, and every stream here is seeded; unset VLLM_USE_V2_MODEL_RUNNER for "
+            "Model Runner V2, which draws every row's noise in one kernel")
+
+
 class VllmEngine:
     """vLLM AsyncLLM behind the narrow Engine interface."""
 
@@ -125,6 +148,8 @@ class VllmEngine:
             vllm_config = args.create_engine_config()
             self._slot_sampler = False
         refuse_speculation_on_v1(vllm_config)
+        if (why := v1_runner_on_cuda(vllm_config)) is not None:
+            log.warning(why)
         # No per-request logging from vLLM: a prompt's ids spell out the input text, which stays
         # out of logs (llm-server --log-input-text is the one switch for it). Its Prometheus stat
         # logger only (no periodic log lines): the vllm:* metrics the worker's /metrics also serves.
@@ -168,6 +193,7 @@ class VllmEngine:
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str,
                        adapter: Adapter | None = None) -> AsyncIterator[list[int]]:
+        from vllm.exceptions import VLLMServerError
         from vllm.inputs import TokensPrompt
 
         finished = False
@@ -179,10 +205,10 @@ class VllmEngine:
                 if tokens:
                     yield tokens
                 finished = output.finished
-        except Exception as exc:
-            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
-                raise EngineError(f"engine failed request {request_id}: {exc}") from exc
-            raise
+        except VLLMServerError as exc:
+            # The engine's failures, not the request's: EngineDeadError, EngineGenerateError, and 0.33's
+            # GenerationError (a request refused on arrival by a paused engine; vllm/outputs.py, RequestError)
+            raise EngineError(f"engine failed request {request_id}: {exc}") from exc
         finally:
             if not finished:  # the consumer left early: free the KV cache now
                 await self.abort(request_id)

@@ -122,6 +122,9 @@ def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[s
         figures["llm"] = llm
         figures["realtime_streams_per_llm_gpu"] = llm["realtime_streams"]
         figures["admitted_streams_per_llm_gpu"] = llm["admission_settles_at"]
+        # new streams arriving while others decode, as in serving: the figures to plan a MegaPod by
+        figures["steady_realtime_streams_per_llm_gpu"] = llm["steady"]["realtime_streams"]
+        figures["steady_admitted_streams_per_llm_gpu"] = llm["steady"]["admission_settles_at"]
         figures["llm_step_budget_ms"] = round(STEP_BUDGET_MS, 2)
         report["attention"] = {"engine": checks["llm_engine_starts"]["engine"], "note": llm.pop("attention_note"),
                                "comparisons": llm.pop("attention_comparisons")}
@@ -180,6 +183,8 @@ def summary(report: dict[str, object]) -> str:
     if "realtime_streams_per_llm_gpu" in figures:
         lines.append(f"  llm: decode step {figures['llm']['step_ms']} ms by batch (budget {figures['llm_step_budget_ms']} ms "
                      f"for 82.03 tokens/s) -> {_capacity(figures['llm'])}")
+        lines.append(f"  llm, new streams arriving: step {figures['llm']['steady']['step_ms']} ms by batch -> "
+                     f"{_capacity(figures['llm']['steady'])}")
         for p in figures["llm"]["precisions"]:
             found = p.get("failed") or f"decode step {p['step_ms']} ms by batch -> {_capacity(p)}"
             lines.append(f"    {p['name']} ({', '.join(f'{k} {v}' for k, v in p['settings'].items())}): {found}")
