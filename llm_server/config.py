@@ -140,6 +140,9 @@ class LlmServerConfig(Settings):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gb: float = 2.0
     enable_prefix_caching: bool = True
+    # Logits for the ids speech can use only (engine/audio_head.py): the head's audio rows, not Llama's whole
+    # 156,940-id head; the same tokens. false: vLLM's own Llama head.
+    audio_head: bool = True
     quantization: str = ""  # e.g. fp8_per_tensor (on-the-fly FP8 of a bf16 checkpoint)
     kv_cache_dtype: str = "auto"
     # GPU attention (llm_server/engine/attention.py): a vLLM backend name (FLASHINFER, FLASH_ATTN, ...) or auto,

@@ -82,7 +82,7 @@ class LlmMetrics:
         self.engine_queue = Gauge("orpheus_engine_unfinished_requests", "Requests held by the engine", registry=r)
         self.engine_queue.set_function(engine_unfinished)
         self.engine_info = Gauge("orpheus_engine_info", "What runs the model, as the engine reports it (value 1)",
-                                 ["engine", "runner", "attention_backend", "trtllm_decode"], registry=r)
+                                 ["engine", "runner", "attention_backend", "trtllm_decode", "head"], registry=r)
         r.register(VllmMetrics())
 
     def refused(self, cause: str) -> None:
@@ -96,4 +96,5 @@ class LlmMetrics:
         self.engine_info.labels(
             str(description.get("engine", "")), str(description.get("runner", "")),
             ",".join(backends) if isinstance(backends, list) else str(backends), str(description.get("trtllm_decode", "")),
+            str(description.get("head", "")),
         ).set(1)

@@ -171,7 +171,9 @@ def test_gpu_plan_times_the_h100_profiles_engine_at_every_batch_up_to_512_and_ag
     assert (config.max_num_seqs, config.max_cudagraph_capture_size, config.async_scheduling) == (512, 1024, True)
     assert planned.batches == (1, 16, 64, 128, 256, 384, 512)
     assert (config.attention_backend, config.quantization, config.kv_cache_dtype) == ("auto", "", "auto")
-    assert planned.precisions == (("fp8", {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}),)
+    assert planned.precisions == (("fp8", {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}),
+                                  ("full-head", {"audio_head": False}))  # both heads' step times (issue 44)
+    assert config.audio_head  # the main run: the worker's default head
 
 
 async def test_each_precision_is_timed_by_an_engine_of_its_own_and_a_failed_one_leaves_the_rest(monkeypatch, tmp_path):

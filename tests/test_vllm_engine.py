@@ -50,8 +50,10 @@ async def test_every_generated_id_lies_in_its_slot(engine, slot_sampler):
 
 
 def test_the_engine_reports_the_attention_its_workers_chose(engine):
-    """Asked of vLLM's own workers (the front end's config keeps `auto`): on CPU, vLLM's CPU attention."""
-    assert engine.describe() == {"engine": "vllm", "runner": "V1", "backends": ["CPU_ATTN"], "trtllm_decode": "none"}
+    """Asked of vLLM's own workers (the front end's config keeps `auto`): on CPU, vLLM's CPU attention; the head
+    the model computes (the audio rows: engine/audio_head.py, on by default)."""
+    assert engine.describe() == {"engine": "vllm", "runner": "V1", "backends": ["CPU_ATTN"], "trtllm_decode": "none",
+                                 "head": "audio"}
 
 
 async def test_speculation_on_the_v1_runner_is_refused_before_loading():

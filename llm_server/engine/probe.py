@@ -16,7 +16,8 @@ cpu_lora.apply()
 
 
 class AttentionProbe:
-    """Worker extension: the attention backends and FlashInfer decode kernel the model runner built."""
+    """Worker extension: the attention backends and FlashInfer decode kernel the model runner built, and the
+    logits head its model computes."""
 
     def megapod_attention(self) -> dict[str, object]:
         groups = [g for per_cache in getattr(self.model_runner, "attn_groups", []) for g in per_cache]
@@ -26,10 +27,18 @@ class AttentionProbe:
             for g in groups for b in g.metadata_builders
             if getattr(b, "use_trtllm_decode_attention", False) and getattr(b, "flashinfer_trtllm_api_decode_kernel", None)
         })
-        report: dict[str, object] = {"backends": backends, "trtllm_decode": decode[0] if decode else "none"}
+        report: dict[str, object] = {"backends": backends, "trtllm_decode": decode[0] if decode else "none",
+                                     "head": _head(self.model_runner.get_model())}
         if "FLASHINFER" in backends:
             report["flashinfer_cubins"] = cubin_status()
         return report
+
+
+def _head(model) -> str:
+    """`audio`: the logits are the audio rows' (engine/audio_head.py); `full`: Llama's whole head."""
+    from .audio_head import OrpheusAudioHeadForCausalLM, audio_only_head_applies
+
+    return "audio" if isinstance(model, OrpheusAudioHeadForCausalLM) and audio_only_head_applies(model) else "full"
 
 
 def cubin_status() -> str:

@@ -65,6 +65,8 @@ def engine_args(config: LlmServerConfig, model_dir: str):
     """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from .audio_head import ARCHITECTURE as AUDIO_HEAD
+
     device = config.resolved_device
     if device == "cpu":
         _cpu_environment(config)
@@ -92,6 +94,7 @@ def engine_args(config: LlmServerConfig, model_dir: str):
         speculative_config=json.loads(config.speculative_config) if config.speculative_config else None,
         attention_config=attention_config(config, device, os.environ),
         logits_processors=[FrameConstraintV1],
+        hf_overrides={"architectures": [AUDIO_HEAD]} if config.audio_head else {},
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
         enable_log_requests=False,

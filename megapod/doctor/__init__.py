@@ -89,7 +89,8 @@ ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_cudagraph_capture_size", 
 
 
 def profile_engines() -> tuple[dict[str, object], tuple[tuple[str, dict[str, object]], ...]]:
-    """The h100 profile's engine settings, and the h100-fp8 profile's changes to them."""
+    """The h100 profile's engine settings, and the changes timed beside them: the h100-fp8 profile's, and
+    Llama's whole head instead of the audio rows."""
     from megapod.cluster import H100, H100_FP8
 
     def engine(profile) -> dict[str, object]:
@@ -97,7 +98,9 @@ def profile_engines() -> tuple[dict[str, object], tuple[tuple[str, dict[str, obj
         return {name: settings[name] for name in ENGINE_FIELDS if name in settings}
 
     bf16 = engine(H100)
-    return bf16, (("fp8", {k: v for k, v in engine(H100_FP8).items() if bf16.get(k) != v}),)
+    # Llama's whole head beside the worker's audio rows (llm_server/engine/audio_head.py): what the head costs a step
+    return bf16, (("fp8", {k: v for k, v in engine(H100_FP8).items() if bf16.get(k) != v}),
+                  ("full-head", {"audio_head": False}))
 
 
 def _examine_llm(device: str, quick: bool, cache_dir: str | None, checks: dict[str, dict], figures: dict, report: dict) -> None:
