@@ -311,3 +311,39 @@ async def test_livekit_stream_closed_mid_speech_frees_the_engine_and_codec(name)
                                     "snac_active_streams": 0}
     # LiveKit's Deepgram client sends Close as it goes (counted cancelled); its Cartesia client just drops the socket.
     assert requests_ended("disconnected") + requests_ended("cancelled") > before, "the server ended the stream early"
+
+
+# ---------------------------------------------------------------------------------------- the official SDKs over TLS
+# MEGAPOD_TLS_URL: a front over TLS on the same workers (tests/test_voice_agent_clients.py), its private CA trusted
+# through SSL_CERT_FILE as a user's would be: the SDKs are given nothing but the base URL.
+TLS_URL = os.environ.get("MEGAPOD_TLS_URL", "")
+over_tls = pytest.mark.skipif(not TLS_URL, reason="no front over TLS given (MEGAPOD_TLS_URL)")
+
+
+@over_tls
+def test_elevenlabs_sdk_speaks_over_wss_in_realtime_and_over_https():
+    """The SDK's convert_realtime builds its socket's URL from the base URL with the scheme replaced by wss (the
+    reason for TLS at the front); text_to_speech.stream is its HTTP path."""
+    from elevenlabs.client import ElevenLabs
+
+    client = ElevenLabs(api_key="unused", base_url=TLS_URL)
+    before = requests_ended("ok")
+    realtime = b"".join(client.text_to_speech.convert_realtime(
+        voice_id="tara", text=iter(["Hello from ", "the MegaPod. ", "Bye."]), model_id="eleven_flash_v2_5",
+        output_format="pcm_24000"))
+    streamed = b"".join(client.text_to_speech.stream(voice_id="tara", text=TEXT, model_id="eleven_flash_v2_5",
+                                                     output_format="pcm_24000"))
+    for audio in (realtime, streamed):
+        assert whole_frames(len(audio) // 2), len(audio)
+    assert requests_ended("ok") >= before + 2  # the socket's and the HTTP request's, through the TLS front
+
+
+@over_tls
+def test_openai_sdk_speaks_over_https():
+    import openai
+
+    client = openai.OpenAI(base_url=f"{TLS_URL}/v1", api_key="unused")
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                                            response_format="pcm") as response:
+        audio = b"".join(response.iter_bytes())
+    assert whole_frames(len(audio) // 2), len(audio)

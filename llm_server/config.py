@@ -13,8 +13,9 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from codec_contract.audio import Policy
-from orpheus_common.settings import CommaList, Settings
+from orpheus_common.settings import CommaList
 from orpheus_common.socket_budget import SocketLimits
+from orpheus_common.tls import TlsSettings
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
@@ -40,8 +41,9 @@ ADMISSION_QUEUE_S = 0.3  # the longest wait for a slot at the GPU's target pace 
 CODEC_STALL_TIMEOUT_S = 10.0  # owed codec audio none for this long at the GPU's target pace: a hung replica
 
 
-class LlmServerConfig(Settings):
-    """Settings of one llm-server worker (HTTP API + engine + codec client)."""
+class LlmServerConfig(TlsSettings):
+    """Settings of one llm-server worker (HTTP API + engine + codec client); TLS on its HTTP port from the
+    ssl_* fields (orpheus_common/tls.py)."""
 
     model_config = SettingsConfigDict(env_prefix="ORPHEUS_", cli_prog_name="llm-server")
 

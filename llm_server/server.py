@@ -29,6 +29,7 @@ def run(config: LlmServerConfig) -> None:
             config.grace_s,
             log_level="info",
             log_config=None,  # uvicorn's loggers propagate to ours: one format, request ids on its lines too
+            **config.uvicorn_settings(),
         ),
     )
     server.run()

@@ -11,11 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from codec_contract.audio import Policy
-from orpheus_common.settings import Settings, as_flags, camel
+from orpheus_common.settings import as_flags, camel
+from orpheus_common.tls import TlsSettings
 
 RANDOM_LLM = "tiny"
 RANDOM_SNAC = "random-24khz"
@@ -36,8 +37,9 @@ class Sets:
 LOCAL = Sets(chart=())  # `megapod up`'s own: addresses on one machine, GPU indices, restarts
 
 
-class MegaPodConfig(Settings):
-    """One MegaPod: N LLM workers and M SNAC replicas behind one front endpoint."""
+class MegaPodConfig(TlsSettings):
+    """One MegaPod: N LLM workers and M SNAC replicas behind one front endpoint; the front over TLS from the ssl_*
+    fields (orpheus_common/tls.py) or tls_dir."""
 
     model_config = SettingsConfigDict(env_prefix="MEGAPOD_", cli_prog_name="megapod up")
 
@@ -84,6 +86,21 @@ class MegaPodConfig(Settings):
     # so a voice made through one worker is every worker's. The chart's is a volume of its own.
     voices_dir: Annotated[str, Sets(llm="voices_dir", chart=())] = os.path.join(
         os.path.expanduser("~"), ".cache", "orpheus-megapod", "voices")
+
+    # A local CA and a certificate for this machine's loopback names made (once) in this directory, the front served
+    # over TLS with them (megapod/local_tls.py): instead of ssl_certfile/ssl_keyfile. Workers and codec replicas
+    # stay on loopback in the clear either way.
+    tls_dir: str = ""
+
+    @model_validator(mode="after")
+    def _one_certificate(self) -> MegaPodConfig:
+        if self.tls_dir and self.ssl_certfile:
+            raise ValueError("tls_dir makes the front's certificate: give it or ssl_certfile/ssl_keyfile, not both")
+        return self
+
+    @property
+    def front_scheme(self) -> str:
+        return "https" if self.tls or self.tls_dir else "http"
 
     @property
     def random_weights(self) -> bool:

@@ -14,8 +14,11 @@ from pathlib import Path
 import uvicorn
 
 from orpheus_common.draining import server_config
+from orpheus_common.tls import TlsSettings
 from orpheus_front.front import create_front_app
+
 from .launcher import Launcher
+from .local_tls import LOOPBACK, ensure_local_tls
 from .topology import MegaPodConfig
 
 log = logging.getLogger("megapod")
@@ -54,7 +57,7 @@ async def up(config: MegaPodConfig) -> None:
     launcher = Launcher(config, log_dir())
     front = _FrontServer(server_config(  # grace_s: the drain budget of every tier
         create_front_app([f"http://{config.host}:{p}" for p in config.worker_ports()]),
-        config.host, config.front_port, config.grace_s, log_level="warning",
+        config.host, config.front_port, config.grace_s, log_level="warning", **front_tls(config).uvicorn_settings(),
     ))
     try:
         starting = asyncio.create_task(launcher.start())
@@ -75,8 +78,17 @@ async def up(config: MegaPodConfig) -> None:
         await launcher.stop()
 
 
+def front_tls(config: MegaPodConfig) -> TlsSettings:
+    """The front's TLS: the files given, or those tls_dir holds (made there first if missing), or none."""
+    if not config.tls_dir:
+        return config
+    names = LOOPBACK + (() if config.host in (*LOOPBACK, "0.0.0.0", "::") else (config.host,))
+    made = ensure_local_tls(Path(config.tls_dir).expanduser(), names)
+    return TlsSettings(ssl_certfile=str(made.certfile), ssl_keyfile=str(made.keyfile), ssl_ca_certs=config.ssl_ca_certs)
+
+
 def _print_endpoints(config: MegaPodConfig) -> None:
-    front = f"http://{config.host}:{config.front_port}"
+    front = f"{config.front_scheme}://{config.host}:{config.front_port}"
     print(f"\nMegaPod ready: {config.workers} worker(s), {config.replicas} SNAC replica(s)", file=sys.stderr)
     print(f"  endpoint   {front}/v1/audio/speech   (OpenAI-compatible; least-active worker)", file=sys.stderr)
     print(f"  playground {front}/   (type, pick a voice, hear it stream)", file=sys.stderr)
@@ -84,4 +96,7 @@ def _print_endpoints(config: MegaPodConfig) -> None:
         print(f"  worker     http://{config.host}:{port}", file=sys.stderr)
     for port in config.snac_ports():
         print(f"  snac       {config.host}:{port} (gRPC)", file=sys.stderr)
-    print('  try        megapod say "Hello there." --voice tara -o hello.wav\n', file=sys.stderr, flush=True)
+    if config.tls_dir:
+        print(f"  trust      SSL_CERT_FILE={Path(config.tls_dir).expanduser() / 'ca.pem'}   (the local CA)", file=sys.stderr)
+    endpoint = "" if front == "http://127.0.0.1:8000" else f" --endpoint {front}"
+    print(f'  try        megapod say "Hello there." --voice tara -o hello.wav{endpoint}\n', file=sys.stderr, flush=True)

@@ -38,7 +38,8 @@ COMMAND = "python -m megapod.values_schema"
 SERVERS = {"llm": (LlmServerConfig, "ORPHEUS_"), "snac": (SnacServerConfig, "SNAC_"), "front": (FrontConfig, "MEGAPOD_FRONT_")}
 # Fields no pod may set: the servers' default host (0.0.0.0) is what makes a pod reachable; the
 # front's static worker list would contradict the workers' Service the chart gives it.
-KEEP_DEFAULT = {"host", "workers"}
+# TLS files are a Secret the chart mounts (front.tls), not paths a value names.
+KEEP_DEFAULT = {"host", "workers", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs"}
 
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 NAMED_ITEMS = {"type": "array", "items": {"type": "object", "required": ["name"]}}
@@ -97,6 +98,7 @@ RULES = {
     "drain.*": {"type": "number", **AT_LEAST_0},  # MegaPodConfig grace_s, endpoint_delay_s
     "snac.server.healthPort": PORT,  # the kubelet's gRPC probes name it
     "*.existing*Secret": SECRET_NAME,
+    "front.tls.existingSecret": SECRET_NAME,
     "codecTls.certManager.issuerRef.kind": {"minLength": 1},
     "codecTls.certManager.issuerRef.group": {"minLength": 1},
     "codecTls.certManager.duration": DURATION,

@@ -50,8 +50,8 @@ from orpheus_common.http import (
 )
 from orpheus_common.loop_lag import LoopLag
 from orpheus_common.playground import playground
-from orpheus_common.settings import Settings
 from orpheus_common.socket_budget import POLICY_VIOLATION, SocketBudget, SocketLimits
+from orpheus_common.tls import TlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,9 @@ PROBE_TIMEOUT_S = 2.0
 TIMEOUTS_TO_UNREADY = 3  # probes timed out in a row before a worker counts as not ready
 
 
-class FrontConfig(Settings):
+class FrontConfig(TlsSettings):
     """Settings of a front run alone (`megapod-front`, or `megapod front`); flags --field-name, variables
-    MEGAPOD_FRONT_FIELD."""
+    MEGAPOD_FRONT_FIELD; TLS from the ssl_* fields (orpheus_common/tls.py). It reaches workers over http://."""
 
     model_config = SettingsConfigDict(env_prefix="MEGAPOD_FRONT_", cli_prog_name="megapod-front")
 
@@ -664,7 +664,8 @@ def serve_front(config: FrontConfig) -> None:
     from orpheus_common.draining import DrainingServer, server_config  # imported here, not by `megapod say`
 
     app = create_front_app(config.worker_urls(), config.workers_dns, config.refresh_s, max_streams=config.max_streams)
-    server = DrainingServer(server_config(app, config.host, config.port, config.grace_s, log_level="info", log_config=None))
+    server = DrainingServer(server_config(app, config.host, config.port, config.grace_s, log_level="info", log_config=None,
+                                          **config.uvicorn_settings()))
     server.run()
     if not server.started:
         raise SystemExit(3)

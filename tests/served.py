@@ -117,10 +117,11 @@ class Served:
 
 @asynccontextmanager
 async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbuf: int = 0, model_dir: str | None = None,
-                  **overrides):
+                  tls_poll_s: float = 0.2, **overrides):
     """The real app over a real Runtime (engine double) under uvicorn, in this event loop; its codec
     client goes to `snac_server` unless `snac=` says otherwise; `model_dir`: the checkpoint's directory,
-    for what the worker reads there besides the weights (its voices.json)."""
+    for what the worker reads there besides the weights (its voices.json). Over TLS when the overrides give
+    ssl_certfile/ssl_keyfile, as the worker serves it, its files looked at every `tls_poll_s`."""
     # A fixed limit (min_streams = max_streams) unless a test asks otherwise: the engine double's pace is no GPU's.
     overrides.setdefault("max_streams", 64)
     overrides.setdefault("min_streams", overrides["max_streams"])
@@ -129,8 +130,9 @@ async def serving(snac_server, engine: ScriptedEngineDouble | None = None, sndbu
     engine = engine or ScriptedEngineDouble()
     runtime = Runtime.assemble(config, engine, CodecClient(codec_client_config(config)), CharTokenizerDouble(), model_dir)
     app = create_app(config, runtime)
-    async with serve_app(app, sndbuf, log_level="info", timeout_graceful_shutdown=2) as port:
-        yield Served(f"http://127.0.0.1:{port}", port, runtime, engine, app)
+    async with serve_app(app, sndbuf, log_level="info", timeout_graceful_shutdown=2,
+                         **config.uvicorn_settings(tls_poll_s)) as port:
+        yield Served(f"{config.scheme}://127.0.0.1:{port}", port, runtime, engine, app)
 
 
 @asynccontextmanager
@@ -157,7 +159,7 @@ async def serve_app(app, sndbuf: int = 0, **config):
 
 
 def ws_url(served: Served, path: str) -> str:
-    return served.url.replace("http://", "ws://") + path
+    return served.url.replace("http", "ws", 1) + path  # https: wss
 
 
 def body(text: str = "Hello there.", **kw) -> dict:

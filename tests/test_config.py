@@ -41,7 +41,9 @@ SAMPLES = {"voices": (*LlmServerConfig.default("voices"), "extra"), "voice_alias
            "max_cudagraph_capture_size": 512}
 COMPANIONS = {"tls_cert": {"tls_key": "k"}, "tls_key": {"tls_cert": "c"}, "tls_client_ca": {"tls_cert": "c", "tls_key": "k"},
               "codec_tls_cert": {"codec_tls_key": "k", "codec_tls_ca": "ca"},
-              "codec_tls_key": {"codec_tls_cert": "c", "codec_tls_ca": "ca"}, "codec_tls_server_name": {"codec_tls_ca": "ca"}}
+              "codec_tls_key": {"codec_tls_cert": "c", "codec_tls_ca": "ca"}, "codec_tls_server_name": {"codec_tls_ca": "ca"},
+              "ssl_certfile": {"ssl_keyfile": "k"}, "ssl_keyfile": {"ssl_certfile": "c"},
+              "ssl_ca_certs": {"ssl_certfile": "c", "ssl_keyfile": "k"}}
 BASE = {FrontConfig: {"workers_dns": "llm.ns.svc:8000"}}
 
 

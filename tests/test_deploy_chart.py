@@ -44,6 +44,7 @@ from megapod.render import (
     profile_values,
 )
 from megapod.topology import MegaPodConfig
+from orpheus_front.front import FrontConfig
 from codec_contract.api import codec_pb2
 from codec_contract.client import channel_credentials, tls_options
 from snac_server.config import SnacServerConfig
@@ -201,6 +202,7 @@ VARIANTS = {
     "helm-h100-api-keys": ("h100", API_KEYS + ("codecTls.restartOnChange=true",)),
     "helm-cpu-cert-manager-api-keys": ("cpu", TLS_CERT_MANAGER + API_KEYS),
     "helm-cpu-tls-off-api-keys": ("cpu", TLS_OFF + API_KEYS),
+    "helm-h100-front-tls": ("h100", ("front.tls.existingSecret=megapod-front-tls",)),
 }
 VALIDATED = [*RENDERS, *VARIANTS]
 
@@ -764,6 +766,22 @@ def test_codec_tls_off_leaves_no_trace(name: str) -> None:
     snac_pod = SnacServerConfig.from_cli([], _pod_env(snac(objects), "SNAC_"))
     llm_pod = LlmServerConfig.from_cli([], _pod_env(llm(objects), "ORPHEUS_"))
     assert (snac_pod.tls_cert, llm_pod.codec_tls_ca) == ("", "")
+
+
+def test_the_front_serves_tls_from_a_secret_and_is_probed_over_https() -> None:
+    """front.tls.existingSecret (issue 46): the Secret's pair mounted read-only, the front's own TLS settings
+    pointed at it (re-read on change, orpheus_common/tls.py), the kubelet's probes in HTTPS; off by default."""
+    front = find(rendered("helm-h100-front-tls"), "Deployment", f"{RELEASE}-front")
+    assert mount(front, "tls") == {"name": "tls", "mountPath": "/etc/megapod/tls", "readOnly": True}
+    assert volume(front, "tls")["secret"]["secretName"] == "megapod-front-tls"
+    served = {item["path"] for item in volume(front, "tls")["secret"]["items"]}
+    config = FrontConfig.from_cli([], _pod_env(front, "MEGAPOD_FRONT_"))
+    assert config.scheme == "https" and {Path(config.ssl_certfile).name, Path(config.ssl_keyfile).name} == served
+    assert {Path(config.ssl_certfile).parent, Path(config.ssl_keyfile).parent} == {Path("/etc/megapod/tls")}
+    assert [container(front)[p]["httpGet"]["scheme"] for p in ("livenessProbe", "readinessProbe")] == ["HTTPS"] * 2
+    plain = find(helm_render("h100"), "Deployment", f"{RELEASE}-front")
+    assert volume(plain, "tls") is None and FrontConfig.from_cli([], _pod_env(plain, "MEGAPOD_FRONT_")).scheme == "http"
+    assert container(plain)["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
 
 
 @pytest.mark.parametrize("name", ["helm-h100-api-keys", "helm-cpu-cert-manager-api-keys", "helm-cpu-tls-off-api-keys"])

@@ -1,17 +1,25 @@
 """The voice-agent frameworks' TTS clients, unchanged, against the real stack (the session's `megapod up`:
 the front, two workers on vLLM, two codec replicas) by the front's base URL: Pipecat's Cartesia, Deepgram and OpenAI services and LiveKit's
-cartesia, deepgram and openai plugins. They live in .venv-clients (client_tests/requirements.txt,
+cartesia, deepgram and openai plugins; and the official ElevenLabs and OpenAI SDKs over TLS, through a second front
+over the same workers (`megapod front --ssl-certfile/--ssl-keyfile`, with `megapod up --tls-dir`'s local CA, which
+the clients trust through SSL_CERT_FILE). They live in .venv-clients (client_tests/requirements.txt,
 installed by `make test`): Pipecat pins protobuf<7, this project's grpcio stack needs protobuf>=7.35.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from megapod.local_tls import ensure_local_tls
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS_PYTHON = REPO / ".venv-clients" / "bin" / "python"
@@ -25,11 +33,42 @@ def stack(megapod):
             "replicas": [f"http://127.0.0.1:{replica.metrics_port}/metrics" for replica in megapod["snac"]]}
 
 
-def test_the_frameworks_own_clients_work_unchanged(stack):
+@pytest.fixture(scope="module")
+def tls_front(megapod, tmp_path_factory):
+    """`megapod front` over TLS in front of the session's workers, its certificate from a local CA (the files
+    `megapod up --tls-dir` makes): its https URL and the CA's file."""
+    made = ensure_local_tls(tmp_path_factory.mktemp("tls"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = ",".join(f"http://127.0.0.1:{worker.port}" for worker in megapod["llm"])
+    log = (tmp_path_factory.mktemp("tls-front") / "front.log").open("w")
+    front = subprocess.Popen([sys.executable, "-m", "megapod", "front", "--host", "127.0.0.1", "--port", str(port),
+                              "--workers", workers, "--ssl-certfile", str(made.certfile), "--ssl-keyfile", str(made.keyfile)],
+                             stdout=log, stderr=subprocess.STDOUT)
+    url, trusting = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(made.ca))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert front.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()
+            try:
+                if httpx.get(f"{url}/ready", verify=trusting, timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield {"url": url, "ca": str(made.ca)}
+    finally:
+        front.terminate()
+        front.wait(30)
+        log.close()
+
+
+def test_the_frameworks_own_clients_work_unchanged(stack, tls_front):
     assert CLIENTS_PYTHON.exists(), "`make test` installs .venv-clients from client_tests/requirements.txt"
     assert httpx.get(f"{stack['front']}/ready", timeout=10).status_code == 200
     env = {**os.environ, "MEGAPOD_URL": stack["front"], "MEGAPOD_WORKER_METRICS": ",".join(stack["workers"]),
-           "MEGAPOD_SNAC_METRICS": ",".join(stack["replicas"])}
+           "MEGAPOD_SNAC_METRICS": ",".join(stack["replicas"]),
+           "MEGAPOD_TLS_URL": tls_front["url"], "SSL_CERT_FILE": tls_front["ca"]}  # as a user trusts a private CA
     env.pop("PYTHONPATH", None)
     env.pop("PYTEST_ADDOPTS", None)  # this run's pytest options (plugins, -k) are not the clients' run's
     done = subprocess.run([str(CLIENTS_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "client_tests"],

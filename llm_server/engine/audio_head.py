@@ -11,8 +11,8 @@ copy, and tied embeddings stay tied.
 Where the head is not the plain one this reads it computes the whole head as vLLM does: with LoRA on (vLLM then
 wraps its logits processor, for adapters that train lm_head, LogitsProcessorWithLoRA), a head split over
 tensor-parallel ranks, a quantized head, scaled or soft-capped logits.
-vLLM loads the class by name in every process through the plugin `register` (pyproject.toml's
-vllm.general_plugins entry point); the worker asks for it with hf_overrides (engine/vllm.py, --audio-head).
+vLLM loads the class by name (engine/vllm_plugin.py registers it in every vLLM process); the worker asks for it
+with hf_overrides (engine/vllm.py, --audio-head).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from .audio_tokens import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, CODES_PER_FRAME, END_OF_SPEECH
-
-ARCHITECTURE = "OrpheusAudioHeadForCausalLM"  # the name vLLM's registry knows the class by
 
 HEAD_ROWS = slice(END_OF_SPEECH, AUDIO_TOKEN_BASE + CODES_PER_FRAME * CODEBOOK_SIZE)
 
@@ -77,10 +75,3 @@ class OrpheusAudioHeadForCausalLM(LlamaForCausalLM):
     def _rows_ptr(self) -> int:
         return self.lm_head.weight[HEAD_ROWS].data_ptr()
 
-
-def register() -> None:
-    """vLLM's general plugin hook (run in every vLLM process): the class by name, imported when a model asks."""
-    from vllm import ModelRegistry
-
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:OrpheusAudioHeadForCausalLM")

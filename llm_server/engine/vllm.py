@@ -19,6 +19,7 @@ from .audio_tokens import STOP_TOKEN_IDS, STREAM_INTERVAL
 from .frame_constraint import OPT_IN, FrameConstraintV1, FrameConstraintV2
 from .model_source import TINY
 from .probe import WORKER_EXTENSION
+from .vllm_plugin import AUDIO_HEAD
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ def _cuda_environment() -> None:
 def engine_args(config: LlmServerConfig, model_dir: str):
     """AsyncEngineArgs from the worker config; every engine setting maps one-to-one."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-
-    from .audio_head import ARCHITECTURE as AUDIO_HEAD
 
     device = config.resolved_device
     if device == "cpu":
