@@ -48,7 +48,7 @@ from benchmarks import provenance
 from benchmarks.concurrency_bench import admission, report
 from benchmarks.concurrency_bench.corpus import DEFAULT_CORPUS, Corpus, load_corpus
 from benchmarks.concurrency_bench.headroom import headroom_check
-from benchmarks.concurrency_bench.levels import jsonl_rows, level_record
+from benchmarks.concurrency_bench.levels import jsonl_rows, level_record, n_max_within_gap_slos
 from benchmarks.concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape, warm_up
 from benchmarks.concurrency_bench.metrics import BYTES_PER_AUDIO_S, Targets
 from benchmarks.concurrency_bench.search import Search
@@ -368,12 +368,17 @@ def output_prefix(args: argparse.Namespace, targets: Sequence[Target], machine: 
     return provenance.REPO_ROOT / "benchmarks" / "results" / (name + ("-quick" if args.quick else ""))
 
 
-def summarize(targets: Sequence[Target]) -> list[dict]:
+def searched(levels: Sequence[dict]) -> list[dict]:
+    """The levels of the searches (--admission's fresh and overload levels are its own figures)."""
+    return [r for r in levels if r.get("phase") in (None, admission.PINNED, admission.WARM)]
+
+
+def summarize(targets: Sequence[Target], rt: Targets) -> list[dict]:
     out = []
     for t in targets:
         per_gpu = round(t.search.n_max / t.gpus, 3) if t.gpus else None
         out.append({"name": t.name, "n_max": t.search.n_max, "gpus": t.gpus, "n_max_per_gpu": per_gpu,
-                    **t.search.summary()})
+                    **t.search.summary(), "n_max_within_gap_slo": n_max_within_gap_slos(searched(t.levels), rt)})
     return out
 
 
@@ -428,9 +433,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"TTFA overhead p95 {headroom['ttfa_overhead_s_p95']} s, buffer needed p99 "
               f"{headroom['required_buffer_s']['p99']} s, loop lag p99 {headroom['client']['loop_lag_ms']['p99']} ms; "
               f"load vs heaviest level {headroom['load_vs_heaviest_level']}", flush=True)
-    summary = summarize(targets)
+    summary = summarize(targets, rt)
     # --admission: its searches compared as two targets; its fresh and overload levels are its own figures
-    searched = [r for r in levels if r.get("phase") in (None, admission.PINNED, admission.WARM)]
+    search_levels_run = searched(levels)
     if args.admission:  # first in the JSON, after the title: what the mode is for
         by_name = {r["name"]: r for r in summary}
         result["admission"] = admission.outcome(levels, by_name["pinned"], by_name["unconfigured"],
@@ -441,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "load_shape": asdict(shape), "targets": asdict(rt), "corpus": corpus.describe(),
         "endpoints": [_describe_target(t) for t in targets],
         "results": summary,
-        "comparison": report.comparison(summary, searched) if len(targets) == 2 else None,
+        "comparison": report.comparison(summary, search_levels_run) if len(targets) == 2 else None,
         "poisson_check": poisson,
         "client_headroom": headroom,
         "contention": {"load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()],
@@ -450,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "wall_s": round(time.perf_counter() - t_start, 1),
         "levels": levels,
     })
-    plots = report.plots({**result, "levels": searched}, prefix)
+    plots = report.plots({**result, "levels": search_levels_run}, prefix)
     if args.admission:
         plots.append(admission.plot(levels, result["admission"]["n_max_pinned"], f"{prefix}-admission.png",
                                     result["title"]))
@@ -478,7 +483,9 @@ def print_summary(result: dict, prefix: Path) -> None:
             " (no GPU: streams per machine)"
         note = " (every level up to --max-n passed: a lower bound)" if r["censored_at_max_n"] else \
             "" if r["confirmed"] else " (boundary not confirmed)"
-        print(f"[{r['name']}] N_max = {r['n_max']}{per_gpu}{note}; levels run {r['levels_run']}")
+        slo = ", ".join(f"{n} with no gap over {t}" for t, n in r["n_max_within_gap_slo"].items())
+        print(f"[{r['name']}] N_max = {r['n_max']}{per_gpu}{note}; levels run {r['levels_run']}; "
+              f"under the continuity SLOs (levels run): {slo}")
     if result["comparison"]:
         print(report.comparison_text(result["comparison"]))
     if "admission" in result:

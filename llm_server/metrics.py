@@ -12,6 +12,11 @@ from .capacity import REASONS
 
 # Around what a voice agent feels: 100-300 ms to first audio is good, a second is bad.
 _TTFA_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+# A stream's playback gaps, summed (0: none at all); a listener notices 100 ms.
+_UNDERRUN_BUCKETS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# A stream is continuous at T when no gap of its playback was longer (SGLang-Omni's TTS benchmark passes at 100 or
+# 200 ms; vLLM-Omni's audio_continuity_ok_total counts by the same thresholds).
+CONTINUITY_THRESHOLDS_MS = (100, 200)
 
 
 class VllmMetrics:
@@ -39,6 +44,16 @@ class LlmMetrics:
         self.tokens = Counter("orpheus_generated_tokens", "Audio-code tokens generated", registry=r)
         self.frames = Counter("orpheus_frames", "Audio frames generated (7 tokens each)", registry=r)
         self.audio_seconds = Counter("orpheus_audio_seconds", "Seconds of audio delivered", registry=r)
+        # A real-time listener of each stream that sent audio, from its first audio on (speech/playback.py).
+        self.underrun = Histogram("orpheus_stream_underrun_seconds", "Seconds a real-time listener of a stream "
+                                  "waited with nothing to play after its first audio, per stream",
+                                  buckets=_UNDERRUN_BUCKETS, registry=r)
+        self.continuity = Counter("orpheus_stream_continuity", "Streams that sent audio, by whether their longest "
+                                  "playback gap at real time was within threshold_ms", ["threshold_ms", "continuous"],
+                                  registry=r)
+        for threshold in CONTINUITY_THRESHOLDS_MS:
+            for continuous in ("true", "false"):
+                self.continuity.labels(str(threshold), continuous)  # at 0 from the start: a ratio needs both
         # kind: loop (the model repeated a few frames for 2 s: ended there), budget (no end of speech
         # within the text's token budget: ended by it)
         self.runaway = Counter("orpheus_runaway_segments", "Segments ended for runaway generation", ["kind"], registry=r)
@@ -89,6 +104,14 @@ class LlmMetrics:
         """A stream refused at admission: its outcome and its cause."""
         self.requests.labels("refused").inc()
         self.refusals.labels(cause).inc()
+
+    def played(self, playback) -> None:
+        """A stream's playback as a real-time listener heard it (speech/playback.Playback), once it has ended."""
+        if not playback.started:
+            return
+        self.underrun.observe(playback.underrun_s)
+        for threshold in CONTINUITY_THRESHOLDS_MS:
+            self.continuity.labels(str(threshold), str(playback.continuous(threshold / 1000)).lower()).inc()
 
     def describe_engine(self, description: dict[str, object]) -> None:
         """Publish the engine's own description as the labels of orpheus_engine_info."""

@@ -46,6 +46,7 @@ CUSTOM_PLURALS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",
     ("cert-manager.io/v1", "Certificate"): "certificates",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
 }
 
 

@@ -99,6 +99,11 @@ RULES = {
     "snac.server.healthPort": PORT,  # the kubelet's gRPC probes name it
     "*.existing*Secret": SECRET_NAME,
     "front.tls.existingSecret": SECRET_NAME,
+    "llm.autoscaling.autoscaler": {"enum": ["hpa", "keda"]},
+    "llm.autoscaling.keda.prometheusAddress": {"pattern": "^https?://[^/]+"},
+    "llm.autoscaling.keda.refusedPerSecond": POSITIVE,
+    "llm.autoscaling.keda.timeToFirstAudioP95S": POSITIVE,
+    "llm.autoscaling.keda.pollingIntervalS": AT_LEAST_1,
     "codecTls.certManager.issuerRef.kind": {"minLength": 1},
     "codecTls.certManager.issuerRef.group": {"minLength": 1},
     "codecTls.certManager.duration": DURATION,

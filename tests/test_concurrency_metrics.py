@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.concurrency_bench import metrics
 from benchmarks.concurrency_bench.corpus import load_corpus
-from benchmarks.concurrency_bench.levels import level_record, throughput
+from benchmarks.concurrency_bench.levels import level_record, n_max_within_gap_slos, throughput
 from benchmarks.concurrency_bench.load import Endpoint, Level, LevelRun, LoadShape
 from benchmarks.concurrency_bench.metrics import Counts, Targets, Timeline
 from benchmarks.concurrency_bench.search import Search
@@ -68,6 +68,28 @@ def test_slower_pace_turns_a_stall_into_real_time():
     assert metrics.real_time(STALLING, buffer_s=0.0, pace=0.5)
     # Played at double speed it needs more: chunk 1: 1.5 - 1.0 - 1.0/2 = 0; chunk 2: 3.0 - 1.0 - 1.5/2 = 1.25
     assert metrics.required_buffer_s(STALLING.chunks, pace=2.0) == pytest.approx(1.25)
+
+
+def test_the_worst_gap_is_the_longest_wait_from_the_first_audio_with_no_buffer():
+    # STALLING with no buffer: plays 1.0-2.0, the 0.5 s chunk (1.5) 2.0-2.5, then waits for 3.0: 0.5 s
+    assert metrics.worst_gap_s(STALLING.chunks) == pytest.approx(0.5)
+    assert metrics.worst_gap_s(STEADY.chunks) == pytest.approx(0.0)
+    # at 0.1x everything is heard ten times slower: 1 s of audio lasts 10 s, so no wait at all
+    assert metrics.worst_gap_s(STALLING.chunks, pace=0.1) == pytest.approx(0.0)
+    # ...and a wait on the clock counts x pace: 0.1 s chunks every 2 s at 0.1x play 1 s each: 1 s waits = 0.1 s
+    slow = tuple((2.0 * k, SECOND // 10) for k in range(4))
+    assert metrics.worst_gap_s(slow, pace=0.1) == pytest.approx(0.1)
+
+
+def test_n_max_within_a_gap_slo_is_read_off_the_levels_run():
+    def level(n, continuous_200ms, success=1.0, ttfa=1.0):
+        return {"n": n, "continuity_share": {"100ms": 0.0, "200ms": continuous_200ms}, "success_share": success,
+                "ttfa_within_target_share": ttfa}
+
+    levels = [level(1, 1.0), level(2, 1.0), level(4, 0.5), level(3, 1.0), level(3, 0.98), level(8, 1.0)]
+    # 3 failed on its repeat, and 4 failed: 2; the 100 ms SLO no level met
+    assert n_max_within_gap_slos(levels, Targets()) == {"100ms": 0, "200ms": 2}
+    assert n_max_within_gap_slos([level(1, 1.0, success=0.5)], Targets()) == {"100ms": 0, "200ms": 0}
 
 
 def test_stream_cut_mid_audio_is_truncated_and_failed():

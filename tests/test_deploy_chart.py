@@ -31,22 +31,30 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from codec_contract.api import codec_pb2
+from codec_contract.client import channel_credentials, tls_options
 from llm_server.api import create_app
-from llm_server.speech.codec_client import channel_target
 from llm_server.config import LlmServerConfig
-from llm_server.metrics import LlmMetrics
 from llm_server.engine.model_source import ORPHEUS_3B_CONFIG, resolve_model
+from llm_server.metrics import LlmMetrics
+from llm_server.speech.codec_client import channel_target
 from llm_server.speech.prompt import prompt_ids
 from megapod.cluster import CPU, H100, H100_FP8, MIG_INSTANCES_PER_GPU, PROFILES, ClusterProfile
 from megapod.deploy import CUSTOM_PLURALS, KEEP_EXISTING, TYPED_KINDS, client_model
 from megapod.render import (
-    CHART, KUBE_VERSION, KUSTOMIZE, REPO, HelmRender, RenderError, find_helm, find_kubectl, parse_manifests,
+    CHART,
+    KUBE_VERSION,
+    KUSTOMIZE,
+    REPO,
+    HelmRender,
+    RenderError,
+    find_helm,
+    find_kubectl,
+    parse_manifests,
     profile_values,
 )
 from megapod.topology import MegaPodConfig
 from orpheus_front.front import FrontConfig
-from codec_contract.api import codec_pb2
-from codec_contract.client import channel_credentials, tls_options
 from snac_server.config import SnacServerConfig
 from snac_server.server import server_credentials
 
@@ -203,6 +211,8 @@ VARIANTS = {
     "helm-cpu-cert-manager-api-keys": ("cpu", TLS_CERT_MANAGER + API_KEYS),
     "helm-cpu-tls-off-api-keys": ("cpu", TLS_OFF + API_KEYS),
     "helm-h100-front-tls": ("h100", ("front.tls.existingSecret=megapod-front-tls",)),
+    "helm-h100-keda": ("h100", ("llm.autoscaling.enabled=true", "llm.autoscaling.autoscaler=keda",
+                                "monitoring.podMonitor.enabled=true")),
 }
 VALIDATED = [*RENDERS, *VARIANTS]
 
@@ -223,7 +233,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(name: str, versio
             kubernetes_validate.validate(obj, version, strict=True)
     # kubernetes-validate has no schema for CRD kinds; tests/test_observability.py and
     # test_codec_tls_from_cert_manager assert on them.
-    assert {o["kind"] for o in custom} <= {"PodMonitor", "PrometheusRule", "Certificate"}
+    assert {o["kind"] for o in custom} <= {"PodMonitor", "PrometheusRule", "Certificate", "ScaledObject"}
     assert len(objects) - len(custom) >= 8  # deployments, services, budgets, policy, account, ...
 
 
@@ -516,6 +526,58 @@ def test_pods_run_as_non_root_with_a_read_only_root(render: str) -> None:
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
         assert container(deployment)["securityContext"]["readOnlyRootFilesystem"] is True
         assert container(deployment)["resources"]["requests"]["memory"]
+
+
+KEDA_CRD = Path(__file__).parent / "data" / "keda-v2.20.2-scaledobjects.yaml"
+
+
+def pruned(obj: object, schema: dict, where: str = "") -> list[str]:
+    """The fields of `obj` a structural schema does not declare: what the API server would prune (metadata is
+    the API server's own)."""
+    if isinstance(obj, dict) and "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        props = schema["properties"]
+        return [f"{where}.{k}" for k in obj if k not in props] + [
+            found for k, v in obj.items() if k in props and k != "metadata" for found in pruned(v, props[k], f"{where}.{k}")]
+    if isinstance(obj, list) and "items" in schema:
+        return [found for i, v in enumerate(obj) for found in pruned(v, schema["items"], f"{where}[{i}]")]
+    return []
+
+
+def test_keda_scales_workers_from_prometheus_on_capacity_refusals_and_first_audio() -> None:
+    """llm.autoscaling.autoscaler=keda (issue 46): a ScaledObject valid against KEDA's own CRD schema, its three
+    Prometheus triggers valid PromQL on this release's series, one worker down at a time; no HPA of the chart's
+    own beside the one KEDA makes; refused without the PodMonitor whose labels its queries select."""
+    import jsonschema
+    from test_observability import selectors
+
+    objects = rendered("helm-h100-keda")
+    assert not [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    scaled = find(objects, "ScaledObject", f"{RELEASE}-llm")
+    (version,) = [v for v in yaml.safe_load(KEDA_CRD.read_text())["spec"]["versions"] if v["name"] == "v1alpha1"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    schema = version["schema"]["openAPIV3Schema"]
+    jsonschema.validate(scaled, schema)
+    assert pruned(scaled, schema) == [], "the API server drops fields its schema does not know, in silence"
+    assert pruned({**scaled, "spec": {**scaled["spec"], "triggerz": []}}, schema) == [".spec.triggerz"]
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"]["name"] == llm(objects)["metadata"]["name"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, H100.gpus_per_node - H100.snac_gpus())
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": 300}]
+    triggers = {t["name"]: t for t in spec["triggers"]}
+    assert set(triggers) == {"capacity-used", "refused", "time-to-first-audio-p95"}
+    for trigger in triggers.values():
+        assert (trigger["type"], trigger["metricType"]) == ("prometheus", "Value")
+        query = trigger["metadata"]["query"]
+        for selector in selectors(query)[0]:  # parses, or raises
+            matchers = {(m.name, m.value) for m in selector.matchers.matchers}
+            assert {("namespace", NAMESPACE), ("release", RELEASE)} <= matchers, query
+        assert float(trigger["metadata"]["threshold"]) > 0
+    assert "megapod_worker_capacity_used_ratio" in triggers["capacity-used"]["metadata"]["query"]
+    assert 'cause="capacity"' in triggers["refused"]["metadata"]["query"]
+    done = run(helm(), "template", RELEASE, str(CHART), "--set", "llm.autoscaling.enabled=true",
+               "--set", "llm.autoscaling.autoscaler=keda")
+    assert done.returncode != 0 and "monitoring.podMonitor.enabled=true" in done.stderr
 
 
 def test_autoscaling_on_the_share_of_measured_capacity_held() -> None:

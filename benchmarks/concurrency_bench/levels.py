@@ -50,12 +50,43 @@ def level_record(run: LevelRun, targets: Targets, gpus: int | None) -> dict[str,
         "required_buffer_s": pct("required_buffer_s", ok + live),
         "rtf": pct("rtf", ok),
         "stall_share": _share(sum(f["stall_count"] > 0 for f in ok), len(ok)),
+        # Over every counted stream, as realtime_share: an ended one that failed or had a longer gap misses; after an
+        # early failure the open ones count as fine (upper bounds).
+        "continuity_share": {_slo(t): _share(counts.streams - sum(not (f["ok"] and f["worst_gap_s"] <= t + metrics.EPS)
+                                                                  for f in figs), counts.streams)
+                             for t in metrics.GAP_SLOS_S},
+        "worst_gap_s": pct("worst_gap_s", ok),
         "gap_s": {**metrics.percentiles(gaps, digits=4), "max": round(max(gaps), 4) if gaps else None},
         "audio_s_per_stream": pct("audio_s", ok),
         **rate,
         "audio_s_per_s_per_gpu": per_gpu,
         "client": {"loop_lag_ms": run.loop_lag_ms, "cpu_cores": round(run.client_cpu_cores, 3)},
     }
+
+
+def _slo(threshold_s: float) -> str:
+    return f"{round(threshold_s * 1000)}ms"
+
+
+def n_max_within_gap_slos(levels: list[dict], targets: Targets) -> dict[str, int]:
+    """Per continuity SLO, the largest N whose every run, and every run of each level below it, met it with success
+    and first audio as the level's own pass does: the SLO read off the levels the search ran (it is driven by the
+    buffer criterion, so a level above its boundary may not have been run)."""
+    out = {}
+    for t in metrics.GAP_SLOS_S:
+        met: dict[int, bool] = {}
+        for r in levels:
+            good = (r["continuity_share"][_slo(t)] >= targets.realtime_share - metrics.EPS
+                    and r["success_share"] >= targets.success_share - metrics.EPS
+                    and r["ttfa_within_target_share"] >= targets.ttfa_quantile - metrics.EPS)
+            met[r["n"]] = met.get(r["n"], True) and good
+        n_max = 0
+        for n in sorted(met):
+            if not met[n]:
+                break
+            n_max = n
+        out[_slo(t)] = n_max
+    return out
 
 
 def _need_so_far(tl: metrics.Timeline, pace: float, now: float) -> float | None:

@@ -182,6 +182,12 @@ DEFINITIONS = {
     "mean_in_flight": "requests open on average over that span (the load actually held)",
     "rtf": "wall seconds from request to last byte per audio second",
     "gap_s": "time between consecutive audio chunks of a stream, pooled over the level's streams",
+    "worst_gap_s": "a stream's longest wait, played from its first audio with no buffer at `pace`, in real-time "
+                   "seconds (the wait on the clock x pace)",
+    "continuity_share": "counted streams that succeeded with worst_gap_s within 100 ms / 200 ms",
+    "n_max_within_gap_slo": "the largest N whose every run, and every level's below it, had >= realtime_share "
+                            "continuous at 100 ms / 200 ms, with success and first audio as level_pass asks: read "
+                            "off the levels the search ran (driven by the buffer criterion)",
     "n_max": "the largest N whose every run passed; the boundary (N_max and N_max + 1) is run twice",
     "n_max_per_gpu": "n_max / every GPU the target uses (LLM and SNAC tiers)",
     "cores": "average cores busy during the level: each started stack (all its processes), this client, and "

@@ -8,6 +8,7 @@ returns the admission slot and counts the outcome, exactly once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,7 @@ from ..edge.auth import ApiKey
 from ..voices import Voice
 from .encoding import S16_BYTES as SAMPLE_BYTES
 from .encoding import AudioOutput, SilenceTrim, StreamEncoder, first_audible
+from .playback import Playback
 from .prompt import PromptTooLong
 from .segmenter import TextSegmenter, split_sentences
 from .stream import SpeechJob, SpeechStream
@@ -113,6 +115,9 @@ class SpeechSession:
         self._segmenter = TextSegmenter(runtime.config.max_segment_chars)
         self.segments = 0  # segments handed to the stream so far; SegmentEnd.index counts the same way
         self._pace = ClientPace(runtime.config.max_client_lag_s)
+        self.playback = Playback()  # what a real-time listener would hear of the audio sent
+        self._text_at: collections.deque[float] = collections.deque()  # when each segment not yet spoken was given
+        self._speaking_text_at = time.monotonic()  # ... and the one being spoken now
         self._started = time.perf_counter()
         self._closed = False
         self._cancelled = False  # cancel() was called: a failure after it is only its echo
@@ -156,6 +161,7 @@ class SpeechSession:
         self._stream.end()
 
     def _add(self, segment: str) -> None:
+        self._text_at.append(time.monotonic())
         self._stream.add(segment)
         self.segments += 1
 
@@ -185,6 +191,8 @@ class SpeechSession:
         segment_start = 0
         index = 0
         async for text, chunks in self._stream.segments():
+            if self._text_at:
+                self._speaking_text_at = self._text_at.popleft()
             async for chunk in chunks:
                 pcm = chunk.pcm
                 if trimming is not None:
@@ -223,8 +231,10 @@ class SpeechSession:
                         "cut off", self.request_id, p.blocked_s + time.monotonic() - started, p.accepted_s, p.max_lag_s)
             self.outcome = "slow_client"
             raise ClientTooSlow from None
-        self._pace.blocked_s += time.monotonic() - started
+        now = time.monotonic()
+        self._pace.blocked_s += now - started
         self._pace.accepted_s += seconds
+        self.playback.sent(now, seconds, self._speaking_text_at)
 
     # -- the end --------------------------------------------------------------------------------------
     def failed(self, exc: BaseException) -> bool:
@@ -258,6 +268,7 @@ class SpeechSession:
         self._runtime.admission.release(self.key.name if self.key else None)
         self._metrics.active_streams.dec()
         self._metrics.requests.labels(self.outcome).inc()
+        self._metrics.played(self.playback)
         if self.key is not None:
             self._metrics.key_requests.labels(self.key.name, self.outcome).inc()
 
