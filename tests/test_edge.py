@@ -30,7 +30,7 @@ from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline
 SETTLE_S = float(os.environ.get("EDGE_SETTLE_S", "10"))  # how long a left stream may take to release everything
 
 
-async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "") -> socket.socket:
+async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "", path: str = "/v1/audio/speech") -> socket.socket:
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     if rcvbuf:
@@ -38,7 +38,7 @@ async def _open_raw(port: int, body: dict, rcvbuf: int = 0, headers: str = "") -
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
     payload = json.dumps(body).encode()
-    request = (f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+    request = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
                f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
     await loop.sock_sendall(sock, request)
     return sock

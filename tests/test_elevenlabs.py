@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, serving, settled, ws_url
+from test_edge import _dechunk, _open_raw, _read_head, _read_to_end
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -237,3 +238,48 @@ def test_character_alignment_shares_a_word_among_its_characters_and_spaces_take_
     assert aligned["charStartTimesMs"] == [0, 150, 300, 300, 425, 550, 675, 800]
     assert aligned["charDurationsMs"] == [150, 150, 0, 125, 125, 125, 125, 0]
     assert char_alignment(words, origin=0.0)["charStartTimesMs"][0] == 1000
+
+
+TIMESTAMPS = "/v1/text-to-speech/tara/stream/with-timestamps?output_format=pcm_24000"
+
+
+async def test_with_timestamps_fails_before_audio_with_a_status_and_after_it_with_a_last_error_line(snac_server):
+    """The same response path as the other HTTP doors (issue 46, item 5): an engine failure before the first audio
+    is a 503, not a 200 carrying an error line; after audio went out the body ends with one error line."""
+    engine = ScriptedEngineDouble(frames=40)
+    async with serving(snac_server, engine) as served:
+        quiet = await baseline(served, snac_server)  # warmed up before any failure is scripted
+        engine.fail_after_frames = 0
+        engine.fail_gate.set()
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            before = await client.post(TIMESTAMPS, json={"text": "Hello there."})
+            engine.fail_after_frames, lines = 12, []  # past the codec's first chunk
+            engine.fail_gate.clear()
+            async with client.stream("POST", TIMESTAMPS, json={"text": "Hello there."}) as r:
+                status = r.status_code
+                async for line in r.aiter_lines():
+                    lines.append(json.loads(line))
+                    engine.fail_gate.set()  # audio is out: now the engine fails
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
+    assert before.status_code == 503 and before.json()["error"]["code"] == "generation_failed", before.text
+    assert status == 200 and "audio_base64" in lines[0]
+    assert "scripted engine failure" in lines[-1]["error"] and sum("error" in line for line in lines) == 1
+
+
+async def test_with_timestamps_cuts_off_a_client_that_stops_reading(snac_server):
+    frames = 1200  # 102 s of audio: far more than any buffer on the way holds
+    async with serving(snac_server, ScriptedEngineDouble(frames=frames, frames_per_batch=4), sndbuf=16384,
+                       max_client_lag_s=1.0) as served:
+        quiet = await baseline(served, snac_server)
+        sock = await _open_raw(served.port, {"text": "Hello there."}, rcvbuf=4096, path=TIMESTAMPS)
+        try:
+            head, early = await _read_head(sock)
+            assert head.startswith(b"HTTP/1.1 200") and b"application/x-ndjson" in head
+            async with asyncio.timeout(30):
+                while served.outcome("slow_client") < 1:
+                    await asyncio.sleep(0.1)  # not reading
+            assert await settled(served, snac_server, quiet) == NOTHING_HELD
+            payload, complete = _dechunk(early + await _read_to_end(sock))
+            assert not complete and len(payload) < frames * FRAME_BYTES, "cut off long before the end"
+        finally:
+            sock.close()

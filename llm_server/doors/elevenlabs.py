@@ -17,7 +17,8 @@ context_id, empty text ends the input, and the socket closes after `isFinal`.
 POST /v1/text-to-speech/{voice_id} and .../stream: `{text}` in, the audio streamed as it is decoded;
 .../stream/with-timestamps: newline-delimited JSON, `{audio_base64}` lines and, after each sentence's
 audio, `{alignment, normalized_alignment}` with `characters`, `character_start_times_seconds` and
-`character_end_times_seconds` (from the start of the request's audio).
+`character_end_times_seconds` (from the start of the request's audio); the other HTTP doors' response path
+(doors/http.py, its Framing): a status before the first audio, a last `{error}` line after it.
 
 Alignment is the approximation of the other doors' timestamps: a sentence's audio is shared among its
 words in proportion to their length, and a word's among its characters evenly; a space separating words
@@ -37,16 +38,15 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, WebSocket
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
 from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec, Words
 from ..voices import UnknownVoice
-from .http import open_session, speak_whole, text_body, trim_of
+from .http import Framing, speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
     SocketWriter,
@@ -285,29 +285,35 @@ async def speech(request: Request, voice_id: str) -> Response:
     return await speak_whole(request, spec, text, "elevenlabs")
 
 
+class Timestamped(Framing):
+    """.../stream/with-timestamps: newline-delimited JSON, `{audio_base64}` lines and each sentence's character
+    alignment after its audio; a failure after audio went out is a last `{error}` line."""
+
+    media_type = "application/x-ndjson"
+    words = True
+
+    def audio(self, audio: Audio) -> bytes:
+        return _line({"audio_base64": base64.b64encode(audio.data).decode()})
+
+    def timings(self, words: Words) -> bytes:
+        aligned = char_alignment(words, 0.0)
+        seconds = {"characters": aligned["chars"],
+                   "character_start_times_seconds": [ms / 1000 for ms in aligned["charStartTimesMs"]],
+                   "character_end_times_seconds": [(s + d) / 1000 for s, d in
+                                                   zip(aligned["charStartTimesMs"], aligned["charDurationsMs"])]}
+        return _line({"alignment": seconds, "normalized_alignment": seconds})
+
+    def failure(self, message: str) -> bytes:
+        return _line({"error": f"speech generation failed: {message}"})
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
 @router.post("/v1/text-to-speech/{voice_id}/stream/with-timestamps")
 async def speech_with_timestamps(request: Request, voice_id: str) -> Response:
-    """Newline-delimited JSON: the audio, and each sentence's character alignment after its audio."""
+    """The audio and its alignment, through the other HTTP doors' path: a 4xx/503 before the first audio, a client
+    too slow to read cut off."""
     spec, text = await _http_spec(request, voice_id)
-    session = await open_session(request, spec, "elevenlabs")
-    session.say(text)
-    return StreamingResponse(_timestamped(session), media_type="application/x-ndjson")
-
-
-async def _timestamped(session: SpeechSession) -> AsyncIterator[bytes]:
-    try:
-        async for item in session.events():
-            if isinstance(item, Audio):
-                yield json.dumps({"audio_base64": base64.b64encode(item.data).decode()}).encode() + b"\n"
-            elif isinstance(item, Words) and item.words:
-                aligned = char_alignment(item, 0.0)
-                seconds = {"characters": aligned["chars"],
-                           "character_start_times_seconds": [ms / 1000 for ms in aligned["charStartTimesMs"]],
-                           "character_end_times_seconds": [(s + d) / 1000 for s, d in
-                                                           zip(aligned["charStartTimesMs"], aligned["charDurationsMs"])]}
-                yield json.dumps({"alignment": seconds, "normalized_alignment": seconds}).encode() + b"\n"
-    except Exception as exc:
-        if session.failed(exc):
-            yield json.dumps({"error": f"speech generation failed: {exc}"}).encode() + b"\n"
-    finally:
-        await session.close()
+    return await speak_whole(request, spec, text, "elevenlabs", Timestamped())

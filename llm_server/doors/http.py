@@ -2,9 +2,10 @@
 text streamed as a response; the worker's silence trim; a full worker's 429.
 
 The response starts with the first audio, so a failure before any is a proper error status, not a truncated
-200. A failure after audio started ends the stream deliberately: an SSE `error` event, or for raw
-audio a body cut short (the connection closes without the final chunk), which is how HTTP says
-"incomplete". A client that reads far slower than real time is cut off once it is
+200. A failure after audio started ends the stream deliberately: a framed body's own error (an SSE `error`
+event, an NDJSON error line), or for raw audio a body cut short (the connection closes without the final
+chunk), which is how HTTP says "incomplete". How the events are framed is a `Framing`: raw audio, OpenAI's SSE,
+or a door's own (ElevenLabs' NDJSON with timestamps). A client that reads far slower than real time is cut off once it is
 `max_client_lag_s` of audio behind (the session's pacing); while it keeps us waiting nothing more is
 read from the codec, so gRPC flow control holds the stream back and memory stays bounded.
 """
@@ -26,7 +27,7 @@ from orpheus_common.http import ADMISSION_WAIT
 from ..config import LlmServerConfig
 from ..edge.errors import ApiError
 from ..speech.encoding import SilenceTrim, sse_delta, sse_done, sse_event
-from ..speech.session import Audio, ClientTooSlow, PromptTooLong, Refused, SpeechSession, SpeechSpec
+from ..speech.session import Audio, ClientTooSlow, PromptTooLong, Refused, SpeechSession, SpeechSpec, Words
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,47 @@ async def text_body(request: Request, field: str) -> dict:
     return body
 
 
-async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, sse: bool = False,
-                      media_type: str | None = None, on_admit: Callable[[object], None] = lambda key: None) -> Response:
+class Framing:
+    """How a whole-text response carries a session's events: raw audio (this class), or a subclass's framing of
+    its audio, its segments' word timings (when `words`), its end and a failure after audio went out."""
+
+    media_type: str | None = None  # None: the audio's own
+    words = False  # whether Words events are framed (else skipped)
+
+    def audio(self, audio: Audio) -> bytes:
+        return audio.data
+
+    def timings(self, words: Words) -> bytes:
+        return b""
+
+    def end(self, session: SpeechSession) -> bytes:
+        return b""
+
+    def failure(self, message: str) -> bytes | None:
+        """The body's last bytes after a failure; None: cut the body short (the connection closes unfinished)."""
+        return None
+
+
+class Sse(Framing):
+    """OpenAI's `stream_format: sse`: speech.audio.delta events, then speech.audio.done with usage, or error."""
+
+    media_type = "text/event-stream"
+
+    def audio(self, audio: Audio) -> bytes:
+        return sse_delta(audio.data)
+
+    def end(self, session: SpeechSession) -> bytes:
+        return sse_done(*session.usage)
+
+    def failure(self, message: str) -> bytes | None:
+        return sse_error(message)
+
+
+RAW, SSE = Framing(), Sse()
+
+
+async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, framing: Framing = RAW,
+                      on_admit: Callable[[object], None] = lambda key: None) -> Response:
     """Speak all of `text`: a full worker refuses with 429; the first audio is awaited, so a failure before
     it is an error status (a prompt the context cannot hold: 400); then the rest as it is decoded."""
     session = await open_session(request, spec, name)
@@ -130,7 +170,7 @@ async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, 
     watcher = asyncio.create_task(_close_on_disconnect(request, session))
     events = session.events()
     try:
-        first = await _next_audio(events)
+        first = await _next_item(events, framing)
     except Exception as exc:
         told = session.failed(exc)  # counted (invalid_input or error) and logged as every door's failures are
         await _release(watcher, events, session)
@@ -139,7 +179,7 @@ async def speak_whole(request: Request, spec: SpeechSpec, text: str, name: str, 
         if isinstance(exc, PromptTooLong):
             raise ApiError(400, str(exc), "input", "context_length_exceeded") from None
         raise ApiError(503, f"speech generation failed: {exc}", code="generation_failed") from exc
-    return SpeechResponse(session, first, events, sse, watcher, media_type or spec.output.media_type)
+    return SpeechResponse(session, first, events, framing, watcher, framing.media_type or spec.output.media_type)
 
 
 async def _release(watcher: asyncio.Task, events: AsyncIterator, session: SpeechSession) -> None:
@@ -149,52 +189,53 @@ async def _release(watcher: asyncio.Task, events: AsyncIterator, session: Speech
     await session.close()
 
 
-async def _next_audio(events: AsyncIterator) -> Audio | None:
-    """The next encoded bytes (timestamps and segment ends are for the WebSocket protocols)."""
+async def _next_item(events: AsyncIterator, framing: Framing) -> Audio | Words | None:
+    """The next encoded bytes, or word timings where the framing carries them (segment ends are the sockets')."""
     async for item in events:
-        if isinstance(item, Audio):
+        if isinstance(item, Audio) or (framing.words and isinstance(item, Words) and item.words):
             return item
     return None
 
 
 class SpeechResponse(StreamingResponse):
-    """The audio as it is decoded, sent within the client's lag allowance; ends deliberately on failure.
+    """The audio as it is decoded, framed, sent within the client's lag allowance; ends deliberately on failure.
     (A StreamingResponse for its headers: chunked, no Content-Length.)"""
 
-    def __init__(self, session: SpeechSession, first: Audio | None, events: AsyncIterator, sse: bool,
+    def __init__(self, session: SpeechSession, first: Audio | Words | None, events: AsyncIterator, framing: Framing,
                  watcher: asyncio.Task, media_type: str) -> None:
         super().__init__(iter(()), media_type=media_type, headers={"Cache-Control": "no-store"})
-        self.session, self.first, self.events, self.sse, self.watcher = session, first, events, sse, watcher
+        self.session, self.first, self.events, self.framing, self.watcher = session, first, events, framing, watcher
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        session, ctx = self.session, connections.current()
+        session, ctx, framing = self.session, connections.current(), self.framing
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            audio = self.first
-            while audio is not None:
-                body = sse_delta(audio.data) if self.sse else audio.data
-                await session.send(lambda: send({"type": "http.response.body", "body": body, "more_body": True}), audio.seconds)
-                audio = await self._next()
+            item = self.first
+            while item is not None:
+                audio = isinstance(item, Audio)
+                body = framing.audio(item) if audio else framing.timings(item)
+                await session.send(lambda: send({"type": "http.response.body", "body": body, "more_body": True}),
+                                   item.seconds if audio else 0.0)
+                item = await self._next()
             # Free the slot before the client can see the end: one that asks again at once (a stream at a
             # time, at its cap) must not be refused for the stream it just finished.
             await _release(self.watcher, self.events, session)
-            if self.sse:
-                await send({"type": "http.response.body", "body": sse_done(*session.usage), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": framing.end(session), "more_body": False})
         except ClientTooSlow:
             if ctx is not None:
                 ctx.reset_connection()
         except _Failed as failure:
-            if self.sse:
-                await send({"type": "http.response.body", "body": sse_error(str(failure)), "more_body": False})
+            last = framing.failure(str(failure))
+            if last is not None:
+                await send({"type": "http.response.body", "body": last, "more_body": False})
             elif ctx is not None:
                 ctx.end_response_early()
         finally:
             await _release(self.watcher, self.events, session)
 
-    async def _next(self) -> Audio | None:
+    async def _next(self) -> Audio | Words | None:
         try:
-            return await _next_audio(self.events)
+            return await _next_item(self.events, self.framing)
         except Exception as exc:
             if not self.session.failed(exc):
                 return None  # the client left (the watcher cancelled the session): nothing more to send

@@ -17,7 +17,7 @@ from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput
 from ..speech.session import SpeechSpec
 from ..voices import UnknownVoice, VoiceRegistry
-from .http import check_text, speak_whole, trim_of
+from .http import RAW, SSE, check_text, speak_whole, trim_of
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,7 @@ def validate(body: SpeechBody, config: LlmServerConfig, voices: VoiceRegistry) -
 async def speech(body: SpeechBody, request: Request) -> Response:
     runtime = request.app.state.runtime
     spec = validate(body, runtime.config, runtime.voices)
-    media = "text/event-stream" if body.stream_format == "sse" else spec.output.media_type
-    return await speak_whole(request, spec, body.input, "speech", body.stream_format == "sse", media,
+    return await speak_whole(request, spec, body.input, "speech", SSE if body.stream_format == "sse" else RAW,
                              on_admit=lambda key: _log_request(runtime.config, body, spec.voice.name, key))
 
 
