@@ -159,7 +159,7 @@ def build_server(config: SnacServerConfig, runner: DecoderRunner | None = None) 
     service = CodecService(config, batcher, metrics, STREAMING_DELAY_SAMPLES, encoder)
     options = [
         ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
-        ("grpc.max_connection_age_grace_ms", int(config.grace_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
         ("grpc.keepalive_time_ms", 20_000),
         # Clients ping every 10 s to notice a hung replica; accept down to 5 s so timer jitter
         # never counts as ping abuse (which would get their connection closed).

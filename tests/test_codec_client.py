@@ -191,3 +191,22 @@ def test_the_stall_timeout_and_the_admission_wait_are_slowed_as_the_target_pace_
     assert codec_client_config(cpu).stall_timeout_s == pytest.approx(100.0)
     assert (gpu.resolved_admission_queue_s, cpu.resolved_admission_queue_s) == pytest.approx((0.3, 3.0))
     assert LlmServerConfig(codec_stall_timeout_s=2.0, target_pace=0.105).resolved_codec_stall_timeout_s == 2.0
+
+
+async def test_a_stream_longer_than_the_connections_age_finishes_on_it():
+    """A replica retires a connection after max_connection_age_s (new streams go to a new one), and lets the
+    streams on it finish within max_connection_age_grace_s. A stream at a CPU's slow motion lasts minutes: cut at
+    the SIGTERM drain's grace instead, every stream in flight failed over each time a connection aged (issue 43)."""
+    server, port = build_server(server_config(metrics_port=-1, max_connection_age_s=0.5, grace_s=0.2))
+    await server.start()
+    client = CodecClient(CodecClientConfig(addresses=f"127.0.0.1:{port}", sample_format=codec_pb2.SAMPLE_FORMAT_F32LE,
+                                           stall_timeout_s=30))
+    try:
+        frames = random_frames(24, seed=5)
+        audio, chunks, _ = await _run(client, frames, seed=5, interval=0.25)  # 3 s: six times the age
+        _, later, _ = await _run(client, frames[:4], seed=6)  # and a new stream on the new connection
+    finally:
+        await client.close()
+        await server.stop(grace_s=0)
+    assert client.failovers == 0
+    assert sum(c.num_samples for c in chunks) == 24 * 2048 and chunks[-1].final and later[-1].final
