@@ -6,6 +6,7 @@ through a front: client_tests (tests/test_voice_agent_clients.py)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import ssl
@@ -22,7 +23,9 @@ from test_codec_tls import Authority, _replace
 from websockets.asyncio.client import connect
 
 from llm_server.config import LlmServerConfig
+from megapod.doors import DOORS
 from megapod.local_tls import ensure_local_tls
+from megapod.say import say_through
 from megapod.topology import MegaPodConfig
 from megapod.up import front_tls
 from orpheus_front.front import FrontConfig
@@ -155,3 +158,16 @@ def test_the_local_ca_is_made_once_and_covers_the_names_asked_for(tmp_path):
 def test_megapod_up_says_the_tls_flags():
     shown = subprocess.run([sys.executable, "-m", "megapod", "up", "--help"], capture_output=True, text=True).stdout
     assert all(flag in shown for flag in ("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--tls-dir")), shown
+
+
+async def test_megapod_say_speaks_through_every_door_over_tls_trusting_ssl_cert_file(snac_server, tmp_path, monkeypatch):
+    """The docs' `SSL_CERT_FILE=DIR/ca.pem megapod say --endpoint https://...`: httpx (the OpenAI door) and websockets
+    (the socket doors, wss) both trust the CA the variable names."""
+    made = ensure_local_tls(tmp_path / "tls")
+    monkeypatch.setenv("SSL_CERT_FILE", str(made.ca))
+    async with serving(snac_server, ScriptedEngineDouble(frames=FRAMES), ssl_certfile=str(made.certfile),
+                       ssl_keyfile=str(made.keyfile)) as served:
+        for door in DOORS:
+            out = io.BytesIO()
+            await asyncio.to_thread(say_through, door, served.url, "Hello there.", "leo", out, "pcm", None, None)
+            assert len(out.getvalue()) == FRAMES * FRAME_BYTES, door
