@@ -60,10 +60,7 @@ class TlsSettings(Settings):
         return {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile,
                 "ssl_ca_certs": self.ssl_ca_certs or None,
                 "ssl_cert_reqs": ssl.CERT_REQUIRED if self.ssl_ca_certs else ssl.CERT_NONE,
-                "ssl_context_factory": ReloadingContext(self._paths(), poll_s)}
-
-    def _paths(self) -> tuple[str, ...]:
-        return tuple(p for p in (self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs) if p)
+                "ssl_context_factory": ReloadingContext(poll_s)}
 
 
 class ReloadingContext:
@@ -72,12 +69,13 @@ class ReloadingContext:
     uvicorn calls it from Server.serve (Config.load), on the loop that serves; the watch runs on that loop too,
     so the context is only ever touched on the thread that makes connections from it."""
 
-    def __init__(self, paths: tuple[str, ...], poll_s: float) -> None:
-        self._paths, self._poll_s = paths, poll_s
-        self._watch: asyncio.Task | None = None
-        self.reloads = 0  # how many times new files were taken
+    def __init__(self, poll_s: float) -> None:
+        self._poll_s = poll_s
+        self._paths: tuple[str, ...] = ()
+        self._watch: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
 
     def __call__(self, config: uvicorn.Config, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        self._paths = tuple(str(p) for p in (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs) if p)
         stamp, context = self._stamp(), default()
         try:
             self._watch = asyncio.get_running_loop().create_task(self._watch_files(config, default, context, stamp))
@@ -104,5 +102,5 @@ class ReloadingContext:
             except (OSError, ssl.SSLError) as exc:
                 log.warning("TLS files not reloaded (the old certificate serves): %s", exc)
                 continue
-            stamp, self.reloads = now, self.reloads + 1
+            stamp = now
             log.info("TLS certificates reloaded from %s", ", ".join(self._paths))

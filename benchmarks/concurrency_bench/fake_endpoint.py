@@ -19,8 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from llm_server.speech.encoding import S16_BYTES as SAMPLE_BYTES
-from llm_server.speech.encoding import SAMPLE_RATE
+from llm_server.speech.encoding import S16_BYTES as SAMPLE_BYTES, SAMPLE_RATE
 
 FRAME_SAMPLES = 2048
 FRAME_BYTES = FRAME_SAMPLES * SAMPLE_BYTES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import takewhile
 from typing import Any
 
 from . import metrics
@@ -80,12 +81,7 @@ def n_max_within_gap_slos(levels: list[dict], targets: Targets) -> dict[str, int
                     and r["success_share"] >= targets.success_share - metrics.EPS
                     and r["ttfa_within_target_share"] >= targets.ttfa_quantile - metrics.EPS)
             met[r["n"]] = met.get(r["n"], True) and good
-        n_max = 0
-        for n in sorted(met):
-            if not met[n]:
-                break
-            n_max = n
-        out[_slo(t)] = n_max
+        out[_slo(t)] = max(takewhile(met.get, sorted(met)), default=0)
     return out
 
 

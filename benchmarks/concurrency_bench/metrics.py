@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from llm_server.speech.encoding import S16_BYTES as SAMPLE_BYTES  # s16le mono
-from llm_server.speech.encoding import SAMPLE_RATE
+from llm_server.speech.encoding import S16_BYTES as SAMPLE_BYTES, SAMPLE_RATE  # s16le mono
 
 BYTES_PER_AUDIO_S = SAMPLE_RATE * SAMPLE_BYTES
 EPS = 1e-9  # float slack in comparisons against targets
@@ -117,32 +116,33 @@ def required_buffer_s(chunks: Sequence[Chunk], pace: float = 1.0) -> float:
     return need
 
 
-def stalls(chunks: Sequence[Chunk], buffer_s: float, pace: float = 1.0) -> tuple[int, float]:
-    """(times playback ran dry, seconds it waited) with `buffer_s` of buffering; it resumes on the next chunk."""
+def waits(chunks: Sequence[Chunk], buffer_s: float, pace: float = 1.0) -> list[float]:
+    """Each wait of a listener that starts `buffer_s` after the first audio and plays at `pace`; it resumes on the
+    next chunk."""
     first = next((t for t, n in chunks if n > 0), None)
     if first is None:
-        return 0, 0.0
-    playhead, count, waited = first + buffer_s, 0, 0.0  # when playback reaches the next chunk's audio
+        return []
+    playhead, out = first + buffer_s, []  # when playback reaches the next chunk's audio
     for t, n in chunks:
         if n <= 0:
             continue
         if t > playhead + EPS:
-            count, waited, playhead = count + 1, waited + (t - playhead), t
+            out.append(t - playhead)
+            playhead = t
         playhead += n / BYTES_PER_AUDIO_S / pace
-    return count, waited
+    return out
+
+
+def stalls(chunks: Sequence[Chunk], buffer_s: float, pace: float = 1.0) -> tuple[int, float]:
+    """(times playback ran dry, seconds it waited) with `buffer_s` of buffering."""
+    waited = waits(chunks, buffer_s, pace)
+    return len(waited), sum(waited)
 
 
 def worst_gap_s(chunks: Sequence[Chunk], pace: float = 1.0) -> float:
     """The longest wait of a listener that plays from the first audio with no buffer, in seconds of real time (at
     `pace` everything is heard 1/pace slower, its waits too: a wait of w on the clock is w x pace)."""
-    worst, playhead = 0.0, None
-    for t, n in chunks:
-        if n <= 0:
-            continue
-        if playhead is not None and t > playhead + EPS:
-            worst = max(worst, t - playhead)
-        playhead = max(t, playhead if playhead is not None else t) + n / BYTES_PER_AUDIO_S / pace
-    return worst * pace
+    return max(waits(chunks, 0.0, pace), default=0.0) * pace
 
 
 def ran_dry(tl: Timeline, buffer_s: float, pace: float = 1.0, now: float | None = None) -> bool:

@@ -311,9 +311,12 @@ def _line(obj: dict) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
+TIMESTAMPED = Timestamped()
+
+
 @router.post("/v1/text-to-speech/{voice_id}/stream/with-timestamps")
 async def speech_with_timestamps(request: Request, voice_id: str) -> Response:
     """The audio and its alignment, through the other HTTP doors' path: a 4xx/503 before the first audio, a client
     too slow to read cut off."""
     spec, text = await _http_spec(request, voice_id)
-    return await speak_whole(request, spec, text, "elevenlabs", Timestamped())
+    return await speak_whole(request, spec, text, "elevenlabs", TIMESTAMPED)

@@ -25,8 +25,10 @@ class Playback:
         """`seconds` of audio sent at `now` (monotonic), speaking text given at `text_at`."""
         if seconds <= 0:
             return
-        if self._playhead is None or now > self._playhead:  # the first audio, or the listener had run dry
-            gap = now - max(self._playhead, text_at) if self._playhead is not None else 0.0
+        if self._playhead is None:  # the first audio: playing starts now
+            self._playhead = now
+        elif now > self._playhead:  # the listener had run dry: it waited from then, or from when the text came
+            gap = now - max(self._playhead, text_at)
             if gap > 0:
                 self.gaps += 1
                 self.underrun_s += gap
