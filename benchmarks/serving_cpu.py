@@ -132,6 +132,8 @@ class _Request:
 class DecoderRunnerDouble:
     """A test double of snac_server.runner.DecoderRunner: PCM of the right length (zeros) at once."""
 
+    max_step_frames = 0  # no bound on a step's frames: its steps take no time
+
     def __init__(self, num_slots: int) -> None:
         self.streaming = SimpleNamespace(num_slots=num_slots)
 

@@ -1,9 +1,16 @@
 """The decode scheduler shared by every stream, on one dedicated thread: continuous batching of steps.
 
 Each stream has at most one row queued or decoding; a stream with new frames submits its next row
-as soon as its last one is back. Loop: block for work only when idle; gather rows until the batch
-is full or the first one has waited max_wait; decode them in one step; hand each row's PCM back to
-the event loop that asked. The asyncio side never waits on the model, only on futures.
+as soon as its last one is back, with the time its listener needs that audio (its due time). Loop: block
+for work only when idle; gather rows until the batch is full or the first one has waited max_wait; decode
+in one step the rows due first, up to max_batch rows and one forward's frames (the runner's max_step_frames),
+the rest staying queued for the next step; hand each row's PCM back to the event loop that asked. The asyncio
+side never waits on the model, only on futures.
+
+Due first, not first come: a stream far ahead of its listener asks for its next frames as soon as its last
+row is back, so in arrival order every step decoded a row of every stream, and a new stream's first audio
+waited a whole round (on two CPU cores beside the engine, 16 streams' rounds of 16 frames took seconds: its
+first audio past a 5 s target while the others were seconds ahead). Earliest due first gives it the next step.
 
 A step that raises is retried row by row, so only the row that fails fails: the streaming decoder
 writes state back only after a whole forward succeeded, so a retry starts from the same state.
@@ -14,6 +21,8 @@ their stream submitted is done (a slot reused sooner could share a step with its
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -41,6 +50,19 @@ class DecodeJob:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.perf_counter)
+    due: float | None = None  # when the stream's listener needs this row's audio (perf_counter); None: its arrival
+
+    def __post_init__(self) -> None:
+        if self.due is None:
+            self.due = self.enqueued
+
+    @property
+    def frames(self) -> int:
+        return len(self.row.codes) if isinstance(self.row, StreamStep) else len(self.row.frames)
+
+    @property
+    def slot(self) -> int | None:
+        return self.row.slot if isinstance(self.row, StreamStep) else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,51 @@ def _hand_back(jobs: list[DecodeJob], results: list[np.ndarray | BaseException])
             pass
 
 
+class _Waiting:
+    """The rows queued for the decode thread, due first, and the slots to give back once their rows are done."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[float, int, DecodeJob]] = []  # a heap by due time, then arrival
+        self._order = itertools.count()
+        self._releases: list[int] = []
+
+    def take(self, item: DecodeJob | _Release | None) -> bool:
+        """One item from the queue; True for stop()'s None."""
+        if item is None:
+            return True
+        if isinstance(item, _Release):
+            self._releases.append(item.slot)
+        else:
+            heapq.heappush(self.jobs, (item.due, next(self._order), item))
+        return False
+
+    @property
+    def first_enqueued(self) -> float:
+        return min((job.enqueued for _, _, job in self.jobs), default=time.perf_counter())
+
+    def due_first(self, max_rows: int, max_frames: int) -> list[DecodeJob]:
+        """The rows due first, up to max_rows and max_frames (0: no bound) together; the first always."""
+        jobs: list[DecodeJob] = []
+        frames = 0
+        while self.jobs and len(jobs) < max_rows:
+            job = self.jobs[0][2]
+            if jobs and max_frames and frames + job.frames > max_frames:
+                break
+            heapq.heappop(self.jobs)
+            jobs.append(job)
+            frames += job.frames
+        return jobs
+
+    def releasable(self) -> list[int]:
+        """The slots released whose stream has no row waiting any more (their release came after its last)."""
+        if not self._releases:
+            return []
+        held = {job.slot for _, _, job in self.jobs}
+        free = [slot for slot in self._releases if slot not in held]
+        self._releases = [slot for slot in self._releases if slot in held]
+        return free
+
+
 class MicroBatcher:
     """Owns the decode thread. submit() is called from the event loop; results come back as futures."""
 
@@ -125,10 +192,10 @@ class MicroBatcher:
         self._queue.put(None)
         self._thread.join()
 
-    def submit(self, row: Row) -> asyncio.Future:
-        """Queue a row; the returned future resolves to its float32 PCM."""
+    def submit(self, row: Row, due: float | None = None) -> asyncio.Future:
+        """Queue a row, needed by `due` (perf_counter; None: now); the returned future resolves to its float32 PCM."""
         loop = asyncio.get_running_loop()
-        job = DecodeJob(row, loop.create_future(), loop)
+        job = DecodeJob(row, loop.create_future(), loop, due=due)
         self._queue.put(job)
         return job.future
 
@@ -145,36 +212,30 @@ class MicroBatcher:
             return
         finally:
             self._warmed_up.set()
-        while True:
-            first = self._queue.get()  # block only when idle
-            if first is None:
-                return
-            if isinstance(first, _Release):  # nothing of its stream is left in the queue
-                self.slots.release(first.slot)
-                continue
-            jobs, releases, stopping = self._gather(first)
-            self._step(jobs)
-            for release in releases:
-                self.slots.release(release.slot)
-            if stopping:
-                return
+        waiting = _Waiting()
+        stopping = False
+        while not (stopping and not waiting.jobs):
+            if not waiting.jobs:
+                stopping = waiting.take(self._queue.get())  # block only when idle
+            if waiting.jobs:
+                stopping = self._gather(waiting) or stopping
+                self._step(waiting.due_first(self._max_batch, self._runner.max_step_frames))
+            for slot in waiting.releasable():
+                self.slots.release(slot)
 
-    def _gather(self, first: DecodeJob) -> tuple[list[DecodeJob], list[_Release], bool]:
-        """Collect jobs until the batch is full or the first one has waited max_wait."""
-        jobs, releases = [first], []
-        deadline = first.enqueued + self._max_wait_s
-        while len(jobs) < self._max_batch:
+    def _gather(self, waiting: _Waiting) -> bool:
+        """Take what was queued meanwhile, and more until the batch is full or the longest-waiting row has waited
+        max_wait (rows left from the last step have: no wait). Returns whether stop() was called."""
+        deadline = waiting.first_enqueued + self._max_wait_s
+        stopping = False
+        while not stopping:
+            timeout = deadline - time.perf_counter() if len(waiting.jobs) < self._max_batch else 0.0
             try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+                item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is None:
-                return jobs, releases, True
-            if isinstance(item, _Release):
-                releases.append(item)
-            else:
-                jobs.append(item)
-        return jobs, releases, False
+            stopping = waiting.take(item)
+        return stopping
 
     def _step(self, jobs: list[DecodeJob]) -> None:
         """Decode one batch and hand every row's result back; a failure is retried row by row."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -50,7 +51,9 @@ def settings_from_header(header: codec_pb2.SessionHeader, config: SnacServerConf
         raise InvalidFrames(f"unknown policy {header.policy}")
     if header.sample_format not in codec_pb2.SampleFormat.values():
         raise InvalidFrames(f"unknown sample_format {header.sample_format}")
-    return SessionSettings(header.seed, policy, header.first_frame, header.emit_from_sample)
+    if not (math.isfinite(header.listener_pace) and header.listener_pace >= 0):
+        raise InvalidFrames(f"listener_pace {header.listener_pace}: a pace is finite and >= 0 (0: real time)")
+    return SessionSettings(header.seed, policy, header.first_frame, header.emit_from_sample, header.listener_pace or 1.0)
 
 
 def encode_pcm(pcm: np.ndarray, sample_format: int) -> bytes:
@@ -80,7 +83,7 @@ def recording_of(request: codec_pb2.EncodeRequest, max_s: float) -> np.ndarray:
 
 
 class _Stream:
-    """What one stream's reader task and its handler share."""
+    """What one stream's reader task and its handler share, and when its listener needs its next audio."""
 
     def __init__(self, session: StreamingSession | ReferenceSession, sample_format: int) -> None:
         self.session = session
@@ -88,6 +91,15 @@ class _Stream:
         self.changed = asyncio.Event()  # new frames, the end, or a reader error
         self.read = asyncio.Event()  # the handler took frames: a reader held by flow control may go on
         self.error: Exception | None = None
+        # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
+        # what was sent is the next row's due time; until the first audio, the stream's arrival.
+        self.due = time.perf_counter()
+
+    def sent(self, samples: int) -> None:
+        """`samples` went out now."""
+        if samples:
+            pace = self.session.settings.listener_pace
+            self.due = max(self.due, time.perf_counter()) + samples / SAMPLE_RATE / pace
 
 
 async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
@@ -198,13 +210,14 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             stream.read.set()
             submitted = time.perf_counter()
             try:
-                pcm = await self._batcher.submit(row)
+                pcm = await self._batcher.submit(row, stream.due)
             except Exception as exc:
                 log.error("decode of a stream's row failed: %s", exc)
                 await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {exc}")
             self._metrics.chunk_latency.observe(time.perf_counter() - submitted)
             emission = session.take(row, pcm)
             if emission is not None:
+                stream.sent(len(emission.pcm))
                 yield emission
 
     @staticmethod

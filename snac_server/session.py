@@ -35,6 +35,7 @@ class SessionSettings:
     policy: str  # "streaming" | "reference"
     first_frame: int = 0
     emit_from_sample: int = 0
+    listener_pace: float = 1.0  # x real time: when the listener needs each row's audio (the decode order)
 
 
 @dataclass(frozen=True)

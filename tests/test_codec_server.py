@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -20,6 +21,8 @@ from codec_contract.client import END_REQUEST, channel, decode, frames_request, 
 from codec_contract.audio import FRAME_SAMPLES
 from snac_server.metrics import SnacMetrics
 from snac_server.server import build_runner, build_server
+from snac_server.service import _Stream
+from snac_server.session import SessionSettings
 
 
 async def _decode(stub, frames, seed=1, policy="streaming", per_message=1, interval=0.0, **header):
@@ -161,6 +164,8 @@ def _bad_streams():
         "no end of stream": ([header_request(1), good], "without end_of_stream"),
         "unknown policy": ([codec_pb2.DecodeRequest(header=codec_pb2.SessionHeader(policy=7))], "unknown policy"),
         "resume backwards": ([header_request(1, first_frame=9, emit_from_sample=2)], "before first_frame"),
+        "negative listener pace": ([header_request(1, listener_pace=-1.0)], "listener_pace -1"),
+        "listener pace not a number": ([header_request(1, listener_pace=float("nan"))], "listener_pace nan"),
     }
 
 
@@ -241,3 +246,22 @@ def test_a_replica_decodes_on_the_cpu_threads_it_is_given():
     assert torch.get_num_threads() == 3
     build_runner(server_config(max_streams=4), SnacMetrics())
     assert torch.get_num_threads() == 1
+
+
+def test_a_streams_next_row_is_due_when_its_listener_would_run_out_at_its_pace(monkeypatch):
+    """The decode order's due time: the stream's arrival until its first audio, then when a listener playing from
+    the first audio at the header's pace runs out of what was sent; a gap (audio sent after that) restarts it."""
+    clock = [100.0]
+    monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
+    stream = _Stream(SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1)), 0)
+    clock[0] = 101.0
+    stream.sent(0)
+    assert stream.due == 100.0  # nothing sent yet: due since it came
+    stream.sent(2400)  # 0.1 s of audio, 1 s at 0.1x, from now
+    assert stream.due == pytest.approx(102.0)
+    clock[0] = 101.5
+    stream.sent(4800)  # sent while the listener still plays: queued after what it has
+    assert stream.due == pytest.approx(104.0)
+    clock[0] = 110.0
+    stream.sent(2400)  # after it ran out: it plays from now
+    assert stream.due == pytest.approx(111.0)

@@ -3,6 +3,7 @@ decode thread runs on the decoder's GPU; a step that raises fails only its own r
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -171,3 +172,73 @@ async def test_a_steps_frames_are_counted_before_its_audio_is_handed_back(decode
         step_may_return.set()
         batcher.stop()
     assert pcm.shape == (3 * 2048,) and counted == 3
+
+
+class RecordsSteps:
+    """A test double of DecoderRunner: records each step's rows (by seed) and holds the first step until told, so
+    that rows queue behind it; PCM of the right length (zeros)."""
+
+    max_step_frames = CPU_STEP_FRAMES
+
+    def __init__(self) -> None:
+        self.streaming = SimpleNamespace(num_slots=16)
+        self.steps: list[list[int]] = []
+        self.first_step_may_end = threading.Event()
+        self.first_step_started = threading.Event()
+
+    def bind_thread(self) -> None:
+        pass
+
+    def warm_up(self) -> None:
+        pass
+
+    def decode(self, rows, publish) -> None:
+        self.steps.append([r.seed for r in rows])
+        if len(self.steps) == 1:
+            self.first_step_started.set()
+            self.first_step_may_end.wait(timeout=30)
+        publish(list(range(len(rows))), [np.zeros(len(r.codes) * 2048, np.float32) for r in rows])
+
+
+async def test_the_rows_due_first_are_decoded_first_one_forwards_frames_a_step():
+    """Eight streams far ahead of their listeners queue 16-frame rows; a new stream's first row (due now) queues
+    last. It goes into the next step, and each step holds one forward's frames (CPU_STEP_FRAMES), the rest due
+    first after it: in arrival order, the new stream's first audio waited for every other stream's row (a
+    round: seconds on a busy CPU, its time to first audio past the target, issue 43)."""
+    runner = RecordsSteps()
+    batcher = MicroBatcher(runner, max_batch=32, max_wait_s=0.0, metrics=SnacMetrics())
+    batcher.start()
+    batcher.wait_ready()
+    now = time.perf_counter()
+
+    def row(seed: int, frames: int) -> StreamStep:
+        return StreamStep(seed, np.zeros((frames, 7), np.int32), 0, OPEN_END, seed, False)
+
+    try:
+        first = batcher.submit(row(0, 1))
+        await asyncio.to_thread(runner.first_step_started.wait, 30)
+        ahead = [batcher.submit(row(seed, 16), due=now + 100.0 - seed) for seed in range(1, 9)]  # 8 due last
+        new = batcher.submit(row(9, 4), due=now)
+        runner.first_step_may_end.set()
+        await asyncio.wait_for(asyncio.gather(first, new, *ahead), timeout=30)
+    finally:
+        runner.first_step_may_end.set()
+        batcher.stop()
+    assert runner.steps == [[0], [9], [8], [7], [6], [5], [4], [3], [2], [1]]
+
+
+async def test_a_row_without_a_due_time_is_due_when_it_came_and_one_of_a_frame_each_share_a_step():
+    runner = RecordsSteps()
+    batcher = MicroBatcher(runner, max_batch=32, max_wait_s=0.0, metrics=SnacMetrics())
+    batcher.start()
+    batcher.wait_ready()
+    try:
+        first = batcher.submit(StreamStep(0, np.zeros((1, 7), np.int32), 0, OPEN_END, 0, False))
+        await asyncio.to_thread(runner.first_step_started.wait, 30)
+        later = [batcher.submit(StreamStep(s, np.zeros((1, 7), np.int32), 0, OPEN_END, s, False)) for s in range(1, 21)]
+        runner.first_step_may_end.set()
+        await asyncio.wait_for(asyncio.gather(first, *later), timeout=30)
+    finally:
+        runner.first_step_may_end.set()
+        batcher.stop()
+    assert runner.steps == [[0], list(range(1, 17)), list(range(17, 21))]  # arrival order, 16 frames a step

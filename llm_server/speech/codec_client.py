@@ -433,6 +433,7 @@ class CodecStream:
         header = codec_pb2.SessionHeader(
             seed=self._seed, policy=self._config.policy, sample_format=self._config.sample_format,
             first_frame=first, emit_from_sample=self._delivered, stream_id=self._stream_id,
+            listener_pace=self._config.target_pace,  # the replica decodes first what is due first at this pace
         )
         self._call = self._stub().Decode(wait_for_ready=True)
         await self._write_header(codec_pb2.DecodeRequest(header=header))
