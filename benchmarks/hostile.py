@@ -8,15 +8,18 @@ worker (POST /v1/audio/speech, read as it comes, every chunk timed) while someth
 - `uploads`: the hostile corpus (benchmarks/hostile_audio.py: the 384 kHz tiny-frame FLAC that froze a worker for
   54 s, the 48 kHz one, the hour of near-silence, lying WAVs, 32 channels ...) posted one after another to
   POST /v1/voices: each answer's status, reason and time;
-- `flood-<door>`: 100,000 tiny messages on each socket door (benchmarks/hostile_sockets.py), as fast as the socket
-  takes them: how the door answered and closed;
+- `floods`: 100,000 tiny messages on each socket door (benchmarks/hostile_sockets.py), as fast as the socket takes
+  them, from a flooder process of its own at niceness 19, each door `--flood-rounds` times with a quiet window
+  before every flood, all beside one stream: the stream's gaps in each door's floods against those in the quiet
+  windows between them, the worker process's CPU a second in each, and how the door answered and closed;
 - `voices`: 10,000 clone voices written into the voices directory, then a new one every 0.5 s: when each is
   offered by the worker; `quiet-end`: the reference again, at the end;
 - on a second stack whose voices directory holds a LoRA adapter at start (so the engine has LoRA on), `lora-quiet`
   and `lora-added`: PEFT adapters (benchmarks/lora_adapters.py) copied in one every 2 s, each loaded by vLLM's
   runtime loading in the engine's process between steps: what that costs the stream.
 
-Per phase: the stream's chunk gaps (p50, p99, max) and the worker's own event-loop lag over the phase
+Per phase: the stream's chunk gaps over the hostile work's window (p50, p99, max; a request's first audio is not a
+gap), the stack's CPU seconds by tier and the worker's own event-loop lag over the phase
 (`orpheus_event_loop_lag_seconds`, p50/p99 from its buckets, as soak.py reads it). The issue's bounds: a gap
 within the quiet gap plus one frame (85 ms), loop lag p99 under 20 ms with 10,000 voices. JSON to
 benchmarks/results/hostile-cpu.json. Run from the repository root:
@@ -29,26 +32,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import shlex
 import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 
 from benchmarks.concurrency_bench.metrics import percentiles
-from benchmarks.concurrency_bench.stack import LocalStack
+from benchmarks.concurrency_bench.stack import LocalStack, cpu_seconds
 from benchmarks.hostile_audio import corpus
 from benchmarks.hostile_sockets import BUDGET_SAID, DOORS, FLOOD, flood
 from benchmarks.provenance import REPO_ROOT, record
 from benchmarks.soak import loop_lag, loop_lag_summary, post_corpus
 
 FRAME_S = 2048 / 24000
-STREAM_TEXT = " ".join(["This sentence keeps a stream playing while hostile clients knock on the worker."] * 12)
+AFTERMATH_S = 0.5  # after a flooder is done, what the server still does for it counts as the flood's
+# ~2 minutes of speech: one request outlasts a phase (a new request's first audio is not counted as a gap)
+STREAM_TEXT = " ".join(["This sentence keeps a stream playing while hostile clients knock on the worker."] * 24)
 WORST = ("flac_tiny_frames_384k", "flac_tiny_frames_48k", "flac_tiny_frames_48k_within_bounds",
          "opus_tiny_frames_undeclared", "flac_hour_of_near_silence", "flac_hour_of_near_silence_undeclared",
          "wav_32_channels", "wav_unknown_length_holds_40s", "mkv_20_audio_streams", "png_header_and_noise")
@@ -60,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet-s", type=float, default=20.0, help="the reference phases' length")
     p.add_argument("--voices", type=int, default=10_000, help="clone voices written into the voices directory")
     p.add_argument("--new-voices", type=int, default=10, help="voices added one by one, every 0.5 s, after those")
-    p.add_argument("--flood", type=int, default=FLOOD, help="messages sent on each socket door")
+    p.add_argument("--flood", type=int, default=FLOOD, help="messages sent in each flood")
+    p.add_argument("--flood-rounds", type=int, default=3, help="floods of each socket door")
+    p.add_argument("--flood-quiet-s", type=float, default=3.0, help="the quiet window before each flood")
     p.add_argument("--items", default=",".join(WORST), help="corpus items to upload (comma-separated), or 'all'")
     p.add_argument("--adapters", type=int, default=4, help="LoRA adapters added while the LoRA stack serves (0: none)")
     p.add_argument("--megapod-args", default="--replicas 2 --enforce-eager true", help="more `megapod up` flags")
@@ -69,70 +78,125 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Stream:
-    """One PCM stream at the worker, its chunks timed, until stopped."""
+    """PCM speech played at the worker, one request after another until stopped, every chunk timed. A wait counts
+    within a request only: a request's first audio is its time to first audio, not a gap."""
 
     def __init__(self, worker: str) -> None:
-        self.worker, self.arrivals, self.bytes = worker, [], 0
+        self.worker, self.requests, self.bytes = worker, [], 0
         self.first = asyncio.Event()
         self.task = asyncio.create_task(self._play())
 
     async def _play(self) -> None:
         body = {"model": "tts-1", "input": STREAM_TEXT, "voice": "tara", "response_format": "pcm"}
-        async with httpx.AsyncClient(timeout=None, trust_env=False) as client, \
-                client.stream("POST", f"{self.worker}/v1/audio/speech", json=body) as reply:
-            reply.raise_for_status()
-            async for chunk in reply.aiter_raw():
-                self.arrivals.append(time.perf_counter())
-                self.bytes += len(chunk)
-                self.first.set()
+        async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+            while True:
+                arrivals: list[float] = []
+                self.requests.append(arrivals)
+                async with client.stream("POST", f"{self.worker}/v1/audio/speech", json=body) as reply:
+                    reply.raise_for_status()
+                    async for chunk in reply.aiter_raw():
+                        arrivals.append(time.perf_counter())
+                        self.bytes += len(chunk)
+                        self.first.set()
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """The waits between chunks that overlap [start, end]."""
+        return [b - a for arrivals in self.requests for a, b in zip(arrivals, arrivals[1:]) if b >= start and a <= end]
 
     def longest_gap_s(self, start: float, end: float) -> float | None:
-        """The longest wait between chunks that overlaps [start, end]."""
-        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:]) if b >= start and a <= end]
+        gaps = self.gaps(start, end)
         return round(max(gaps), 3) if gaps else None
 
-    async def stop(self) -> dict[str, object]:
-        ended_early = self.task.done()
+    def heard(self, windows: list[tuple[float, float]]) -> dict[str, object]:
+        """What the stream heard during the windows: chunks, and the waits that overlap them (p50, p99, max)."""
+        gaps = [g for start, end in windows for g in self.gaps(start, end)]
+        chunks = sum(start <= t <= end for start, end in windows for arrivals in self.requests for t in arrivals)
+        # requests that were playing in a window (more than one a window: a request's first audio fell in it, uncounted)
+        playing = sum(bool(a) and a[0] <= end and a[-1] >= start for start, end in windows for a in self.requests)
+        return {"chunks": chunks, "requests_playing": playing,
+                "gap_s": {**percentiles(gaps, (50, 99), digits=3), "max": round(max(gaps), 3) if gaps else None}}
+
+    async def stop(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
-        return {"chunks": len(self.arrivals), "audio_s": round(self.bytes / 48000, 2), "ended_before_the_phase": ended_early,
-                "gap_s": {**percentiles(gaps, (50, 99), digits=3), "max": round(max(gaps), 3) if gaps else None}}
 
 
 async def phase(stack: LocalStack, worker: str, work) -> dict[str, object]:
-    """`work()` beside a stream that played a while first; the stream's gaps and the worker's loop lag."""
+    """`work()` beside a stream that played a while first; the stream's gaps, the worker's loop lag and the
+    stack's CPU seconds by tier over the work's window (the stream's own start, before it, is not the work's)."""
     stream = Stream(worker)
     await asyncio.wait_for(stream.first.wait(), 300)
     await asyncio.sleep(2.0)
     lag_before = await loop_lag(stack)
+    cpu_before = stack.cpu_seconds()
     started = time.perf_counter()
     done = await work()
-    wall_s = time.perf_counter() - started
-    heard = await stream.stop()
+    ended = time.perf_counter()
+    cpu = {tier: round(s - cpu_before[tier], 2) for tier, s in stack.cpu_seconds().items()}
+    await stream.stop()
     for answer in done if isinstance(done, list) else ():  # uploads: the stream's longest gap while each was handled
         if isinstance(answer, dict) and "window" in answer:
             answer["stream_gap_s"] = stream.longest_gap_s(*answer.pop("window"))
     lag = loop_lag_summary(lag_before, await loop_lag(stack))
     await stack.wait_idle()
-    return {"wall_s": round(wall_s, 2), "stream": heard, **{k: v for k, v in lag.items() if k.startswith("worker")},
-            **({"work": done} if done is not None else {})}
+    return {"wall_s": round(ended - started, 2), "stream": stream.heard([(started, ended)]), "cpu_s": cpu,
+            **{k: v for k, v in lag.items() if k.startswith("worker")}, **({"work": done} if done is not None else {})}
+
+
+def worker_cpu_s(stack: LocalStack) -> float:
+    """CPU seconds of the worker's own process (its doors, sessions and event loop), not its engine core's."""
+    stack.remember()
+    total = 0.0
+    for proc in stack.procs.values():
+        try:
+            if "llm_server" in " ".join(proc.cmdline()) and "EngineCore" not in proc.name():
+                total += cpu_seconds(proc)
+        except psutil.Error:
+            pass
+    return total
+
+
+async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_s: float) -> dict[str, object]:
+    """Each socket door flooded `rounds` times beside one stream, a quiet window of `quiet_s` before every flood:
+    the stream's waits during each door's floods (from the first message to AFTERMATH_S after the flooder is done:
+    the server's work after its close counts) against its waits in the quiet windows between them, and the
+    worker process's CPU a second in each. One flooder process, started before: its start-up is not a flood's."""
+    stream = Stream(worker)
+    await asyncio.wait_for(stream.first.wait(), 300)
+    windows: dict[str, list[tuple[float, float]]] = {"quiet": []}
+    cpu: dict[str, float] = {}
+    answers: dict[str, list[dict]] = {}
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as flooder:
+        await loop.run_in_executor(flooder, os.nice, 19)  # an attacker's CPU is not the stack's
+        for _ in range(rounds):
+            for door in sorted(DOORS):
+                for name, work in (("quiet", lambda: asyncio.sleep(quiet_s)),
+                                   (door, lambda door=door: loop.run_in_executor(flooder, door_flood, worker, door, count))):
+                    before, started = worker_cpu_s(stack), time.perf_counter()
+                    done = await work()
+                    if done is not None:
+                        answers.setdefault(name, []).append(done)
+                        await asyncio.sleep(AFTERMATH_S)
+                    windows.setdefault(name, []).append((started, time.perf_counter()))
+                    cpu[name] = cpu.get(name, 0.0) + worker_cpu_s(stack) - before
+    await stream.stop()
+    await stack.wait_idle()
+    out = {}
+    for name, spans in windows.items():
+        seconds = sum(end - start for start, end in spans)
+        out[name] = {"windows": len(spans), "seconds": round(seconds, 2), "stream": stream.heard(spans),
+                     "worker_cpu_per_s": round(cpu[name] / seconds, 3), **({"floods": answers[name]} if name in answers else {})}
+    return out
 
 
 def door_flood(worker: str, door: str, count: int) -> dict[str, object]:
-    """On a thread of its own at the lowest priority (Linux's nice is per thread): an attacker's CPU is not the
-    stack's, and on two cores a flooder at full priority would measure itself."""
-    os.nice(19)
+    """One flood, in the flooder's process (a thread of this one would take the GIL from the stream timed here)."""
     path, first, message = DOORS[door]
     started = time.perf_counter()
     sent, code, texts = flood(worker.replace("http://", "ws://") + path, first, message, count)
-    return {"door": door, "sent": sent, "close_code": code, "told": any(BUDGET_SAID in t for t in texts),
+    return {"sent": sent, "close_code": code, "told": any(BUDGET_SAID in t for t in texts),
             "closed_after_s": round(time.perf_counter() - started, 2)}
-
-
-async def on_a_new_thread(fn, *args):
-    with ThreadPoolExecutor(1) as thread:
-        return await asyncio.get_running_loop().run_in_executor(thread, fn, *args)
 
 
 def write_clones(root: Path, names) -> None:
@@ -181,9 +245,7 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
         items = list(corpus()) if args.items == "all" else args.items.split(",")
         phases = {"quiet": await phase(stack, worker, lambda: asyncio.sleep(args.quiet_s)),
                   "uploads": await phase(stack, worker, lambda: post_corpus(worker, items))}
-        for door in sorted(DOORS):
-            phases[f"flood-{door}"] = await phase(stack, worker,
-                                                  lambda door=door: on_a_new_thread(door_flood, worker, door, args.flood))
+        phases["floods"] = await floods(stack, worker, args.flood_rounds, args.flood, args.flood_quiet_s)
         started = time.perf_counter()
         await asyncio.to_thread(write_clones, voices_dir, (f"clone-{i:05d}" for i in range(args.voices)))
         written_s = time.perf_counter() - started
@@ -199,7 +261,6 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
 async def lora_phases(args: argparse.Namespace, work_dir: Path) -> dict[str, dict]:
     """A stack with LoRA on (an adapter there at start), adapters copied in while a stream plays."""
     from benchmarks.lora_adapters import make_adapter
-
     from llm_server.config import LlmServerConfig
     from llm_server.engine.model_source import resolve_model
 
@@ -236,7 +297,8 @@ async def lora_phases(args: argparse.Namespace, work_dir: Path) -> dict[str, dic
 def within_bounds(phases: dict[str, dict], reference: str) -> dict[str, bool]:
     """Each phase's longest gap within the reference phase's plus one frame."""
     allowed = phases[reference]["stream"]["gap_s"]["max"] + FRAME_S
-    within = {name: p["stream"]["gap_s"]["max"] <= allowed for name, p in phases.items() if name != reference}
+    within = {name: p["stream"]["gap_s"]["max"] <= allowed for name, p in phases.items()
+              if name != reference and p["stream"]["gap_s"]["max"] is not None}  # None: no chunk came in its window
     for answer in phases.get("uploads", {}).get("work", []):
         within[f"uploads/{answer['item']}"] = (answer["stream_gap_s"] or 0) <= allowed
     return within
@@ -245,12 +307,15 @@ def within_bounds(phases: dict[str, dict], reference: str) -> dict[str, bool]:
 async def run(args: argparse.Namespace) -> dict[str, object]:
     work_dir = Path(tempfile.mkdtemp(prefix="hostile-"))
     command, phases = await hostile_phases(args, work_dir)
+    floods = phases.pop("floods")
     lora = await lora_phases(args, work_dir) if args.adapters else {}
     bounds = {"gap_within_quiet_max_plus_a_frame": within_bounds(phases, "quiet"),
+              "flood_gap_within_the_quiet_windows_max_plus_a_frame": within_bounds(floods, "quiet"),
               "loop_lag_p99_under_20_ms_with_the_voices": (phases["voices"]["worker_loop_lag_p99_ms"] or 0) < 20}
     if lora:
         bounds["lora_gap_within_quiet_max_plus_a_frame"] = within_bounds(lora, "lora-quiet")
-    return {"provenance": record(PACKAGES), "stack": command, "phases": {**phases, **lora}, "bounds": bounds}
+    return {"provenance": record(PACKAGES), "stack": command, "phases": {**phases, **lora}, "floods": floods,
+            "bounds": bounds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         gaps = p["stream"]["gap_s"]
         print(f"{name:<18s} gaps p50 {gaps.get('p50')} p99 {gaps.get('p99')} max {gaps['max']} s; loop lag p99 "
               f"{p['worker_loop_lag_p99_ms']} ms, max since start {p['worker_loop_lag_max_ms']} ms")
+    for name, p in result["floods"].items():
+        gaps = p["stream"]["gap_s"]
+        print(f"floods: {name:<10s} {p['windows']} windows, {p['seconds']} s: gaps p50 {gaps.get('p50')} p99 "
+              f"{gaps.get('p99')} max {gaps['max']} s; worker process {p['worker_cpu_per_s']} CPU-s a second")
     print(json.dumps(result["bounds"], indent=2))
     print(f"written to {args.out}")
     return 0

@@ -1,4 +1,5 @@
-"""uvicorn's WebSocket protocol, parsing what one read brings a slice per event-loop turn.
+"""uvicorn's WebSocket protocol, parsing what one read brings a slice per event-loop turn, and giving up on a peer
+that goes on sending after the server's close.
 
 A read from a socket returns up to 256 KiB (asyncio's transports), and uvicorn's sans-I/O protocol parses every
 frame in it in the one callback. From a client flooding tiny messages that is ~5,000 frames, a few hundred ms
@@ -6,14 +7,25 @@ of parsing during which every other stream of the process waits (measured with b
 p99 of 150 to 445 ms while a socket flooded, before its budget closed it). Parsed `SLICE_BYTES` at a time, with
 the loop's other callbacks between slices, a flood costs the other streams a few ms at a time; the bytes not
 yet parsed are bounded (reading pauses past `HELD_BYTES`).
+
+After the server's close frame uvicorn reads on until the peer's own close arrives (up to its 10 s close timeout),
+parsing and discarding every frame before it: a flooder closed by its budget (orpheus_common/socket_budget.py)
+has megabytes queued in the kernel's buffers by then, and the process spent seconds of CPU parsing them. A peer
+gets `CLOSE_REPLY_BYTES` after the server's close to answer with its own (a well-behaved one needs a few bytes);
+past that it is no longer read.
 """
 
 from __future__ import annotations
 
+import logging
+
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+log = logging.getLogger(__name__)
 
 SLICE_BYTES = 4096  # ~80 tiny frames, a few ms; a large message is parsed over several turns
 HELD_BYTES = 1 << 20
+CLOSE_REPLY_BYTES = 64 * 1024  # what a peer may send after the server's close before its own close frame
 
 
 class FairWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -22,8 +34,18 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
         self._unparsed = bytearray()
         self._parsing = False  # a slice is scheduled
         self._held = False  # reading paused here for the bytes held
+        self._after_close = 0  # bytes that arrived after the server's close frame went out
+        self._dropped = False  # the peer sent on after our close: not read again
 
     def data_received(self, data: bytes) -> None:
+        if self._dropped:  # uvicorn's receive() resumed reading: paused again, nothing parsed
+            self.transport.pause_reading()
+            return
+        if self.close_sent:
+            self._after_close += len(data)
+            if self._after_close > CLOSE_REPLY_BYTES:
+                self._drop_peer()
+                return
         self._unparsed += data
         if len(self._unparsed) > HELD_BYTES:  # again after uvicorn's receive() resumed reading meanwhile
             self._held = True
@@ -32,10 +54,16 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
             self._parse_slice()
 
     def _parse_slice(self) -> None:
+        if self._dropped or self.transport.is_closing():
+            self._parsing = False
+            return
         data = bytes(self._unparsed[:SLICE_BYTES])
         del self._unparsed[:SLICE_BYTES]
         super().data_received(data)
         if self._unparsed and not self.transport.is_closing():
+            if self.close_sent and len(self._unparsed) > CLOSE_REPLY_BYTES:  # held from before the close
+                self._drop_peer()
+                return
             self._parsing = True
             self.loop.call_soon(self._parse_slice)
             return
@@ -44,3 +72,19 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
             self._held = False
             if not self.read_paused:  # uvicorn's own pause (a message waiting for the app) resumes on its own
                 self.transport.resume_reading()
+
+    def _drop_peer(self) -> None:
+        """Our close went out and the peer sends on instead of answering it: nothing more is read or parsed (what it
+        sent waits in the kernel's buffers, then its own), our side is half-closed after the close frame so that a
+        peer that reads learns the close and its code, and uvicorn's close timer ends the connection. Closing it
+        now would reset it with data unread, and a reset can take the close frame with it."""
+        if self._dropped:
+            return
+        self._dropped = True
+        log.warning("a WebSocket client %s sent over %d KiB after the server's close frame without closing: no longer "
+                    "read", self.client, CLOSE_REPLY_BYTES // 1024)
+        self._unparsed.clear()
+        self._parsing = False
+        self.transport.pause_reading()
+        if self.transport.can_write_eof():  # TLS cannot half-close: its peer learns at the close timer
+            self.transport.write_eof()

@@ -6,12 +6,17 @@ arithmetic on a clock of the test's own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
 from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, body, serve_app, serving, settled, ws_url
+from websockets.client import ClientProtocol
+from websockets.protocol import State
+from websockets.uri import parse_uri
 
 from benchmarks.hostile_sockets import BUDGET_SAID, DOORS, flood
+from orpheus_common.fair_websockets import CLOSE_REPLY_BYTES, FairWebSocketProtocol
 from orpheus_common.socket_budget import SocketBudget, SocketLimits
 from orpheus_front.front import create_front_app
 
@@ -85,3 +90,66 @@ async def test_the_fronts_relay_closes_a_flood_too(snac_server):
         _, code, _ = await asyncio.to_thread(flood, f"ws://127.0.0.1:{front_port}{path}", first, message)
         assert code == 1008
         assert await settled(served, snac_server, quiet) == NOTHING_HELD
+
+
+class CountingProtocol(FairWebSocketProtocol):
+    """The stack's WebSocket protocol, counting what reaches it from the socket after its close frame went out."""
+
+    made: list[CountingProtocol] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_after_close = 0
+        CountingProtocol.made.append(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.close_sent:
+            self.read_after_close += len(data)
+        super().data_received(data)
+
+
+async def close_at_once(scope, receive, send) -> None:
+    """An app that closes every socket as the budget closes a flood: 1008 after the first message."""
+    assert (await receive())["type"] == "websocket.connect"
+    await send({"type": "websocket.accept"})
+    await receive()
+    await send({"type": "websocket.close", "code": 1008, "reason": "over this socket's message budget"})
+
+
+async def test_a_client_that_sends_on_after_the_close_is_dropped_unread():
+    """uvicorn reads on after its close until the peer's close arrives, parsing all a flooder has queued: megabytes
+    of work after the budget closed the socket. Here the peer gets CLOSE_REPLY_BYTES, then it is no longer read, and
+    a peer that reads still gets the close, its code and the end of the server's side."""
+    flood_bytes = 4 << 20
+    async with serve_app(close_at_once, ws=CountingProtocol) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        client = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/"))
+        client.send_request(client.connect())
+        writer.write(b"".join(client.data_to_send()))
+        while client.state is not State.OPEN:
+            client.receive_data(await asyncio.wait_for(reader.read(65536), 30))
+        client.send_text(b"hello")
+        client.send_text(b" " * 100)
+        first, frame = client.data_to_send()  # one frame sent over and over: masks need not differ
+
+        async def read() -> None:  # as a client library does, beside its sending
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    client.receive_data(data)
+
+        async def send() -> None:
+            writer.write(first)
+            for _ in range(flood_bytes // (1000 * len(frame))):
+                writer.write(frame * 1000)
+                await writer.drain()
+
+        reading, sending = asyncio.create_task(read()), asyncio.create_task(send())
+        try:
+            await asyncio.wait_for(reading, 30)  # the server's close frame, then the end of its side
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+            writer.close()
+        [server_side] = CountingProtocol.made
+        assert server_side.read_after_close <= CLOSE_REPLY_BYTES + (256 << 10), server_side.read_after_close
+        assert client.close_rcvd is not None and client.close_rcvd.code == 1008
