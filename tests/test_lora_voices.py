@@ -1,7 +1,7 @@
 """LoRA voices (issue 26, item 2): a PEFT adapter directory in the voices directory is a voice, named by its
-directory, served through vLLM's multi-LoRA; the directory is re-read while serving. The engine tests run the
-real vLLM CPU engine on adapters made here for the `tiny` checkpoint (benchmarks/lora_adapters.py); the
-directory and HTTP tests use the engine double."""
+directory, served through vLLM's multi-LoRA; the directory is re-read while serving. The directory and HTTP tests
+here use the engine double; on the real vLLM CPU engine (adapters made for the `tiny` checkpoint, a mixed batch,
+vLLM's refusals, an adapter added and removed while it runs): tests/test_vllm_engine.py, whose engines they share."""
 
 from __future__ import annotations
 
@@ -11,24 +11,13 @@ import logging
 import shutil
 
 import httpx
-import numpy as np
 import pytest
-import pytest_asyncio
-from processes import TINY_CACHE
 from served import NOTHING_HELD, CharTokenizerDouble, ScriptedEngineDouble, baseline, body, serving, settled
 
-from benchmarks.lora_adapters import make_adapter
 from llm_server.config import LlmServerConfig
-from llm_server.engine import Sampling
-from llm_server.engine.audio_tokens import frame_violations
-from llm_server.engine.model_source import resolve_model
-from llm_server.engine.vllm import VllmEngine
 from llm_server.runtime import lora_enabled
-from llm_server.speech.prompt import clone_prompt_ids, prompt_ids
+from llm_server.speech.prompt import prompt_ids
 from llm_server.voices import CHECKPOINT, LORA, VoiceRegistry, VoicesDirectory
-
-PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
-SAMPLING = Sampling(max_tokens=7 * 12 + 1, seed=5)
 
 
 def peft_dir(path, rank: int = 8, peft_type: str = "LORA", **about):
@@ -165,105 +154,6 @@ async def _until(condition, within_s: float = 10.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "the voices directory was not read again in time"
         await asyncio.sleep(0.02)
-
-
-# --- the real vLLM CPU engine ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """Two rank-8 adapters of the tiny checkpoint, and one of rank 32 (above the engine's max_lora_rank 16)."""
-    root, base = tmp_path_factory.mktemp("adapters"), resolve_model("tiny", TINY_CACHE)
-    return {name: make_adapter(base, root / name, seed, rank) for name, seed, rank in
-            (("ava", 1, 8), ("bob", 2, 8), ("wide", 3, 32))}
-
-
-@pytest_asyncio.fixture(scope="module")
-async def lora_engine():
-    config = LlmServerConfig(cache_dir=TINY_CACHE, device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                             enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4)
-    engine = VllmEngine(config, resolve_model("tiny", TINY_CACHE))
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
-async def _tokens(engine, request_id: str, adapter=None, prompt=PROMPT) -> list[int]:
-    return [t async for delta in engine.generate(prompt, SAMPLING, request_id, adapter) for t in delta]
-
-
-async def _lora_voices(engine, root) -> VoiceRegistry:
-    registry = VoiceRegistry.of(LlmServerConfig())
-    await VoicesDirectory(str(root)).refresh(registry, engine.load_adapter)
-    return registry
-
-
-async def test_a_lora_voice_speaks_differently_from_the_base_and_the_same_each_time(lora_engine, adapters, tmp_path):
-    from transformers import AutoTokenizer
-
-    for name in ("ava", "bob"):
-        shutil.copytree(adapters[name], tmp_path / name)
-    registry = await _lora_voices(lora_engine, tmp_path)
-    ava, bob = registry.resolve("ava").adapter, registry.resolve("bob").adapter
-    base = await _tokens(lora_engine, "base")
-    first, again, other = await _tokens(lora_engine, "ava-1", ava), await _tokens(lora_engine, "ava-2", ava), \
-        await _tokens(lora_engine, "bob-1", bob)
-    assert first == again  # same text, same seed
-    assert len({tuple(base), tuple(first), tuple(other)}) == 3  # each adapter changes what is generated
-    assert frame_violations(first) == frame_violations(other) == []  # the frame constraint holds under LoRA
-
-    # A clone voice's stream: the zero-shot prompt (a reference turn of 12 frames), no adapter.
-    clone_prompt = clone_prompt_ids(AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE)), "A reference.",
-                                    np.random.default_rng(3).integers(0, 4096, size=(12, 7)), "Hello.")
-    clone = await _tokens(lora_engine, "clone-alone", prompt=clone_prompt)
-    assert clone not in (base, first, other)
-
-    # One batch of base, ava, bob and clone streams (two of each): every stream gets the tokens it got alone.
-    voices = [(None, PROMPT), (ava, PROMPT), (bob, PROMPT), (None, clone_prompt)] * 2
-    mixed = await asyncio.gather(*(_tokens(lora_engine, f"mixed-{i}", adapter, prompt)
-                                   for i, (adapter, prompt) in enumerate(voices)))
-    assert mixed == [base, first, other, clone] * 2
-    assert lora_engine.num_unfinished() == 0
-
-
-async def test_an_adapter_vllm_cannot_load_is_refused_when_found_and_never_reaches_a_request(lora_engine, adapters,
-                                                                                             tmp_path, caplog):
-    shutil.copytree(adapters["wide"], tmp_path / "wide")  # rank 32 > max_lora_rank 16
-    shutil.copytree(adapters["ava"], tmp_path / "weightless")
-    (tmp_path / "weightless" / "adapter_model.safetensors").unlink()
-    # Canopy's own recipe (finetune/lora.py in canopyai/Orpheus-TTS) also saves the LM head and the embeddings
-    shutil.copytree(adapters["ava"], tmp_path / "canopy")
-    config = json.loads((tmp_path / "canopy" / "adapter_config.json").read_text())
-    (tmp_path / "canopy" / "adapter_config.json").write_text(
-        json.dumps({**config, "modules_to_save": ["lm_head", "embed_tokens"]}))
-    with caplog.at_level(logging.WARNING, logger="llm_server.voices"):
-        registry = await _lora_voices(lora_engine, tmp_path)
-    assert registry.get("wide") is None and registry.get("weightless") is None and registry.get("canopy") is None
-    assert "'wide'" in caplog.text and "rank" in caplog.text.lower() and "'weightless'" in caplog.text
-    # vLLM's own reasons, in GET /v1/voices beside the name (issue 44, finding 4)
-    why = {v["id"]: v["reason"] for v in registry.listing()["unavailable"]}
-    assert sorted(why) == ["canopy", "weightless", "wide"]
-    assert "LoRA rank 32 is greater than max_lora_rank 16" in why["wide"]
-    assert "modules_to_save" in why["canopy"] and "lm_head" in why["canopy"]
-    assert await _tokens(lora_engine, "still-serving") == await _tokens(lora_engine, "still-serving-2")
-
-
-async def test_an_adapter_added_while_the_engine_runs_serves_and_its_removal_lets_running_requests_finish(
-        lora_engine, adapters, tmp_path):
-    voices = VoicesDirectory(str(tmp_path))
-    registry = VoiceRegistry.of(LlmServerConfig())
-    await voices.refresh(registry, lora_engine.load_adapter)
-    shutil.copytree(adapters["bob"], tmp_path / "late")
-    await voices.refresh(registry, lora_engine.load_adapter)
-    late = registry.resolve("late").adapter
-    alone = await _tokens(lora_engine, "late-alone", late)
-
-    running = lora_engine.generate(PROMPT, SAMPLING, "late-running", late)
-    tokens = list(await anext(running))
-    shutil.rmtree(tmp_path / "late")
-    await voices.refresh(registry, lora_engine.load_adapter)
-    assert registry.get("late") is None
-    tokens += [t async for delta in running for t in delta]
-    assert tokens == alone
 
 
 def test_the_cpu_expand_op_leaves_rows_without_an_adapter_as_they_were_where_vllms_own_adds_the_last_adapter():

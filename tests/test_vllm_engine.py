@@ -1,10 +1,15 @@
-"""The vLLM engine adapter in-process: frame-constrained tokens, seeds, abort, and both logits
-processor paths (the slot sampler and the plain mask)."""
+"""The vLLM engine adapter in-process, on the real vLLM CPU engine: frame-constrained tokens, seeds, abort, both
+logits processor paths (the slot sampler and the plain mask), the audio-only head against Llama's whole head, and
+LoRA voices. Two engines for all of it (vLLM's start is most of these tests' cost): LoRA off with the audio head,
+and LoRA on (max_loras 2, the CPU LoRA fix's case), whose head is the whole one."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
+import shutil
 import time
 
 import numpy as np
@@ -12,11 +17,14 @@ import pytest
 import pytest_asyncio
 from processes import TINY_CACHE
 
+from benchmarks.lora_adapters import make_adapter
 from llm_server.config import LlmServerConfig
-from llm_server.engine import EngineError, Sampling
+from llm_server.engine import Adapter, EngineError, Sampling
 from llm_server.engine.audio_tokens import CODES_PER_FRAME, frame_violations
 from llm_server.engine.model_source import resolve_model
 from llm_server.engine.vllm import VllmEngine
+from llm_server.speech.prompt import clone_prompt_ids
+from llm_server.voices import VoiceRegistry, VoicesDirectory
 
 PROMPT = [128259, 128000, 83, 64, 81, 64, 25, 128009, 128260, 128261, 128257]
 
@@ -239,3 +247,141 @@ async def test_a_request_the_engine_refuses_on_arrival_is_an_engine_error_and_ab
     with pytest.raises(EngineError, match="refused on arrival"):
         await _generate(engine, Sampling(max_tokens=7, seed=1), "refused")
     assert engine._engine.aborted == ["refused"]
+
+
+# --- the audio-only head (llm_server/engine/audio_head.py, issue 44): the same tokens as Llama's whole head, which a
+# LoRA engine runs (its base voice is the reference); with LoRA on, the whole head ----------------------------------
+
+HEAD_TOKENS = 7 * 12 + 1
+
+
+async def _head_tokens(engine, request_id: str, seed: int, adapter=None) -> list[int]:
+    return [t async for d in engine.generate(PROMPT, Sampling(max_tokens=HEAD_TOKENS, seed=seed), request_id, adapter)
+            for t in d]
+
+
+async def test_the_audio_head_gives_the_whole_heads_tokens_alone_and_batched(engine, lora_engine):
+    audio, full = engine, lora_engine
+    assert audio.describe()["head"] == "audio" and full.describe()["head"] == "full"
+    ours = [await _head_tokens(audio, f"alone-{i}", i) for i in range(4)]
+    theirs = [await _head_tokens(full, f"alone-{i}", i) for i in range(4)]
+    assert ours == theirs
+    ours_batched = await asyncio.gather(*(_head_tokens(audio, f"batched-{i}", i) for i in range(8)))
+    theirs_batched = await asyncio.gather(*(_head_tokens(full, f"batched-{i}", i) for i in range(8)))
+    assert ours_batched == theirs_batched and ours_batched[:4] == ours
+    assert all(frame_violations(tokens) == [] for tokens in ours_batched)
+    assert audio.num_unfinished() == full.num_unfinished() == 0
+
+
+async def test_with_lora_on_the_whole_head_runs_and_a_lora_voice_speaks_differently(lora_engine, adapters):
+    """vLLM wraps the logits processor for LoRA on lm_head (LogitsProcessorWithLoRA) whenever LoRA is on; the audio
+    rows would skip an adapter's head delta, so a LoRA engine computes the whole head. The adapter's id is one no
+    voice registry of this process hands out (they count from 1): vLLM caches an adapter by its id."""
+    ava = Adapter("head-test-ava@9001", 9001, str(adapters["ava"]))
+    await lora_engine.load_adapter(ava)
+    assert lora_engine.describe()["head"] == "full"
+    base, voiced = await _head_tokens(lora_engine, "lora-base", 1), await _head_tokens(lora_engine, "lora-voiced", 1, ava)
+    assert voiced != base and frame_violations(voiced) == []
+
+
+# --- LoRA voices (issue 26, item 2) on the real engine: adapters made here for the `tiny` checkpoint
+# (benchmarks/lora_adapters.py), read by the voices directory as a worker reads them --------------------------------
+
+VOICE_SAMPLING = Sampling(max_tokens=7 * 12 + 1, seed=5)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two rank-8 adapters of the tiny checkpoint, and one of rank 32 (above the engine's max_lora_rank 16)."""
+    root, base = tmp_path_factory.mktemp("adapters"), resolve_model("tiny", TINY_CACHE)
+    return {name: make_adapter(base, root / name, seed, rank) for name, seed, rank in
+            (("ava", 1, 8), ("bob", 2, 8), ("wide", 3, 32))}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lora_engine():
+    config = LlmServerConfig(cache_dir=TINY_CACHE, device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                             enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4)
+    engine = VllmEngine(config, resolve_model("tiny", TINY_CACHE))
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+async def _voice_tokens(engine, request_id: str, adapter=None, prompt=PROMPT) -> list[int]:
+    return [t async for delta in engine.generate(prompt, VOICE_SAMPLING, request_id, adapter) for t in delta]
+
+
+async def _lora_voices(engine, root) -> VoiceRegistry:
+    registry = VoiceRegistry.of(LlmServerConfig())
+    await VoicesDirectory(str(root)).refresh(registry, engine.load_adapter)
+    return registry
+
+
+async def test_a_lora_voice_speaks_differently_from_the_base_and_the_same_each_time(lora_engine, adapters, tmp_path):
+    from transformers import AutoTokenizer
+
+    for name in ("ava", "bob"):
+        shutil.copytree(adapters[name], tmp_path / name)
+    registry = await _lora_voices(lora_engine, tmp_path)
+    ava, bob = registry.resolve("ava").adapter, registry.resolve("bob").adapter
+    base = await _voice_tokens(lora_engine, "base")
+    first, again, other = await _voice_tokens(lora_engine, "ava-1", ava), await _voice_tokens(lora_engine, "ava-2", ava), \
+        await _voice_tokens(lora_engine, "bob-1", bob)
+    assert first == again  # same text, same seed
+    assert len({tuple(base), tuple(first), tuple(other)}) == 3  # each adapter changes what is generated
+    assert frame_violations(first) == frame_violations(other) == []  # the frame constraint holds under LoRA
+
+    # A clone voice's stream: the zero-shot prompt (a reference turn of 12 frames), no adapter.
+    clone_prompt = clone_prompt_ids(AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE)), "A reference.",
+                                    np.random.default_rng(3).integers(0, 4096, size=(12, 7)), "Hello.")
+    clone = await _voice_tokens(lora_engine, "clone-alone", prompt=clone_prompt)
+    assert clone not in (base, first, other)
+
+    # One batch of base, ava, bob and clone streams (two of each): every stream gets the tokens it got alone.
+    voices = [(None, PROMPT), (ava, PROMPT), (bob, PROMPT), (None, clone_prompt)] * 2
+    mixed = await asyncio.gather(*(_voice_tokens(lora_engine, f"mixed-{i}", adapter, prompt)
+                                   for i, (adapter, prompt) in enumerate(voices)))
+    assert mixed == [base, first, other, clone] * 2
+    assert lora_engine.num_unfinished() == 0
+
+
+async def test_an_adapter_vllm_cannot_load_is_refused_when_found_and_never_reaches_a_request(lora_engine, adapters,
+                                                                                             tmp_path, caplog):
+    shutil.copytree(adapters["wide"], tmp_path / "wide")  # rank 32 > max_lora_rank 16
+    shutil.copytree(adapters["ava"], tmp_path / "weightless")
+    (tmp_path / "weightless" / "adapter_model.safetensors").unlink()
+    # Canopy's own recipe (finetune/lora.py in canopyai/Orpheus-TTS) also saves the LM head and the embeddings
+    shutil.copytree(adapters["ava"], tmp_path / "canopy")
+    config = json.loads((tmp_path / "canopy" / "adapter_config.json").read_text())
+    (tmp_path / "canopy" / "adapter_config.json").write_text(
+        json.dumps({**config, "modules_to_save": ["lm_head", "embed_tokens"]}))
+    with caplog.at_level(logging.WARNING, logger="llm_server.voices"):
+        registry = await _lora_voices(lora_engine, tmp_path)
+    assert registry.get("wide") is None and registry.get("weightless") is None and registry.get("canopy") is None
+    assert "'wide'" in caplog.text and "rank" in caplog.text.lower() and "'weightless'" in caplog.text
+    # vLLM's own reasons, in GET /v1/voices beside the name (issue 44, finding 4)
+    why = {v["id"]: v["reason"] for v in registry.listing()["unavailable"]}
+    assert sorted(why) == ["canopy", "weightless", "wide"]
+    assert "LoRA rank 32 is greater than max_lora_rank 16" in why["wide"]
+    assert "modules_to_save" in why["canopy"] and "lm_head" in why["canopy"]
+    assert await _voice_tokens(lora_engine, "still-serving") == await _voice_tokens(lora_engine, "still-serving-2")
+
+
+async def test_an_adapter_added_while_the_engine_runs_serves_and_its_removal_lets_running_requests_finish(
+        lora_engine, adapters, tmp_path):
+    voices = VoicesDirectory(str(tmp_path))
+    registry = VoiceRegistry.of(LlmServerConfig())
+    await voices.refresh(registry, lora_engine.load_adapter)
+    shutil.copytree(adapters["bob"], tmp_path / "late")
+    await voices.refresh(registry, lora_engine.load_adapter)
+    late = registry.resolve("late").adapter
+    alone = await _voice_tokens(lora_engine, "late-alone", late)
+
+    running = lora_engine.generate(PROMPT, VOICE_SAMPLING, "late-running", late)
+    tokens = list(await anext(running))
+    shutil.rmtree(tmp_path / "late")
+    await voices.refresh(registry, lora_engine.load_adapter)
+    assert registry.get("late") is None
+    tokens += [t async for delta in running for t in delta]
+    assert tokens == alone
