@@ -206,9 +206,10 @@ def test_ctrl_c_drains_a_stream_in_flight_then_stops_everything_without_a_kill(m
     (a 20 s one failed beside `stress-ng --cpu 2`, with a load of 14)."""
     worker = megapod["llm"][0]
     url = f"http://127.0.0.1:{worker.port}/v1/audio/speech"
-    # Random weights speak to the token budget: seconds of generation, long enough to be cut by the drain.
-    body = {"model": "tts-1", "input": "Draining should let this sentence finish before the worker exits.",
-            "voice": "leo", "response_format": "pcm", "seed": 4242}
+    # Random weights speak to each sentence's token budget: five sentences, so that on an idle machine too the stream
+    # outlasts the time from Ctrl-C to the worker's SIGTERM (one sentence did not: the drain found nothing in flight).
+    text = " ".join(f"Draining should let sentence {n} finish before the worker exits." for n in range(1, 6))
+    body = {"model": "tts-1", "input": text, "voice": "leo", "response_format": "pcm", "seed": 4242}
     undisturbed = httpx.post(url, json=body, timeout=300).content
     audio, errors, flowing = bytearray(), [], threading.Event()
 
