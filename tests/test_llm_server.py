@@ -99,7 +99,10 @@ async def test_eight_concurrent_streams_complete(stack):
 
 async def test_admission_cap_refuses_fast_with_retry_after(stack):
     async with httpx.AsyncClient(base_url=stack["url"], timeout=600) as client:
-        body = {"model": "tts-1", "input": "Hold this line open for a while, please.", "voice": "tara"}
+        # Long enough to outlast the queue's wait on an idle machine too (two segments of ~750 tokens): a short line
+        # ended meanwhile, its slot went to the request meant to be refused (200 == 429).
+        body = {"model": "tts-1", "input": "A long sentence that keeps the engine busy for quite a while. " * 8,
+                "voice": "tara"}
         held = [client.stream("POST", "/v1/audio/speech", json=body) for _ in range(MAX_STREAMS)]
         responses = await asyncio.gather(*(h.__aenter__() for h in held))
         try:

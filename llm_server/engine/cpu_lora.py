@@ -3,7 +3,7 @@
 vLLM marks a batch's tokens that use no adapter with LoRA index -1. Its Triton kernels (GPUs) skip those
 tokens; the PyTorch ops its CPU backend uses (vllm/lora/ops/torch_ops/lora_ops.py, 0.32) index the stacked
 adapter weights with it, and -1 is the last slot: once every one of max_loras slots holds an adapter, a
-base-voice stream batched beside LoRA voices is spoken through the last adapter (tests/test_lora_voices.py:
+base-voice stream batched beside LoRA voices is spoken through the last adapter (tests/test_vllm_engine.py:
 the mixed batch). Fixed upstream by vllm-project/vllm#48421 (open when this was written); until the pinned
 vLLM has it, the expand ops here leave the rows of no-LoRA tokens as they found them, which is what the GPU
 kernels do. With the fix in vLLM, this changes nothing.
