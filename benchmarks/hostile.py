@@ -74,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapters", type=int, default=4, help="LoRA adapters added while the LoRA stack serves (0: none)")
     p.add_argument("--megapod-args", default="--replicas 2 --enforce-eager true", help="more `megapod up` flags")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "hostile-cpu.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.flood_rounds < 1:
+        p.error("--flood-rounds must be at least 1: the floods' quiet windows are the reference")
+    return args
 
 
 class Stream:
@@ -83,6 +86,7 @@ class Stream:
 
     def __init__(self, worker: str) -> None:
         self.worker, self.requests, self.bytes = worker, [], 0
+        self.failed: str | None = None  # why the stream stopped before it was stopped, if it did
         self.first = asyncio.Event()
         self.task = asyncio.create_task(self._play())
 
@@ -99,24 +103,28 @@ class Stream:
                         self.bytes += len(chunk)
                         self.first.set()
 
-    def gaps(self, start: float, end: float) -> list[float]:
-        """The waits between chunks that overlap [start, end]."""
-        return [b - a for arrivals in self.requests for a, b in zip(arrivals, arrivals[1:]) if b >= start and a <= end]
+    def gaps(self, start: float, end: float, inside: bool = False) -> list[float]:
+        """The waits between chunks that overlap [start, end] (`inside`: that lie wholly within it)."""
+        return [b - a for arrivals in self.requests for a, b in zip(arrivals, arrivals[1:])
+                if (a >= start and b <= end if inside else b >= start and a <= end)]
 
     def longest_gap_s(self, start: float, end: float) -> float | None:
         gaps = self.gaps(start, end)
         return round(max(gaps), 3) if gaps else None
 
-    def heard(self, windows: list[tuple[float, float]]) -> dict[str, object]:
-        """What the stream heard during the windows: chunks, and the waits that overlap them (p50, p99, max)."""
-        gaps = [g for start, end in windows for g in self.gaps(start, end)]
+    def heard(self, windows: list[tuple[float, float]], inside: bool = False) -> dict[str, object]:
+        """What the stream heard during the windows: chunks, and the waits that overlap them (p50, p99, max;
+        `inside`: only those wholly within one, as a reference that a neighbouring window's wait must not raise)."""
+        gaps = [g for start, end in windows for g in self.gaps(start, end, inside)]
         chunks = sum(start <= t <= end for start, end in windows for arrivals in self.requests for t in arrivals)
         # requests that were playing in a window (more than one a window: a request's first audio fell in it, uncounted)
         playing = sum(bool(a) and a[0] <= end and a[-1] >= start for start, end in windows for a in self.requests)
-        return {"chunks": chunks, "requests_playing": playing,
+        return {"chunks": chunks, "requests_playing": playing, "failed": self.failed,
                 "gap_s": {**percentiles(gaps, (50, 99), digits=3), "max": round(max(gaps), 3) if gaps else None}}
 
     async def stop(self) -> None:
+        if self.task.done() and not self.task.cancelled() and self.task.exception() is not None:
+            self.failed = repr(self.task.exception())[:300]  # a request refused or cut: the stream stopped
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
 
@@ -159,7 +167,7 @@ def worker_cpu_s(stack: LocalStack) -> float:
 async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_s: float) -> dict[str, object]:
     """Each socket door flooded `rounds` times beside one stream, a quiet window of `quiet_s` before every flood:
     the stream's waits during each door's floods (from the first message to AFTERMATH_S after the flooder is done:
-    the server's work after its close counts) against its waits in the quiet windows between them, and the
+    the server's work after its close counts) against its waits wholly inside the quiet windows between them, and the
     worker process's CPU a second in each. One flooder process, started before: its start-up is not a flood's."""
     stream = Stream(worker)
     await asyncio.wait_for(stream.first.wait(), 300)
@@ -185,7 +193,7 @@ async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_
     out = {}
     for name, spans in windows.items():
         seconds = sum(end - start for start, end in spans)
-        out[name] = {"windows": len(spans), "seconds": round(seconds, 2), "stream": stream.heard(spans),
+        out[name] = {"windows": len(spans), "seconds": round(seconds, 2), "stream": stream.heard(spans, name == "quiet"),
                      "worker_cpu_per_s": round(cpu[name] / seconds, 3), **({"floods": answers[name]} if name in answers else {})}
     return out
 
@@ -296,9 +304,9 @@ async def lora_phases(args: argparse.Namespace, work_dir: Path) -> dict[str, dic
 
 def within_bounds(phases: dict[str, dict], reference: str) -> dict[str, bool]:
     """Each phase's longest gap within the reference phase's plus one frame."""
-    allowed = phases[reference]["stream"]["gap_s"]["max"] + FRAME_S
-    within = {name: p["stream"]["gap_s"]["max"] <= allowed for name, p in phases.items()
-              if name != reference and p["stream"]["gap_s"]["max"] is not None}  # None: no chunk came in its window
+    allowed = (phases[reference]["stream"]["gap_s"]["max"] or 0) + FRAME_S
+    within = {name: p["stream"]["failed"] is None and (p["stream"]["gap_s"]["max"] or 0) <= allowed
+              for name, p in phases.items() if name != reference}  # no gap in a window the stream played through: 0
     for answer in phases.get("uploads", {}).get("work", []):
         within[f"uploads/{answer['item']}"] = (answer["stream_gap_s"] or 0) <= allowed
     return within

@@ -12,7 +12,9 @@ After the server's close frame uvicorn reads on until the peer's own close arriv
 parsing and discarding every frame before it: a flooder closed by its budget (orpheus_common/socket_budget.py)
 has megabytes queued in the kernel's buffers by then, and the process spent seconds of CPU parsing them. A peer
 gets `CLOSE_REPLY_BYTES` after the server's close to answer with its own (a well-behaved one needs a few bytes);
-past that it is no longer read.
+past that it is no longer read. A client whose close reply comes behind more than that (one read that crosses the
+bound, or a backlog from before the close) is treated as the flooder it looks like: it still gets our close frame
+and its code, then the end of our side, and uvicorn's close timer ends the connection.
 """
 
 from __future__ import annotations

@@ -261,6 +261,8 @@ async def _head_tokens(engine, request_id: str, seed: int, adapter=None) -> list
 
 
 async def test_the_audio_head_gives_the_whole_heads_tokens_alone_and_batched(engine, lora_engine):
+    """Before the LoRA tests below in file order: the LoRA engine has no adapter loaded yet, so its base voice is
+    Llama's whole head and nothing else (later, with every LoRA slot taken, engine/cpu_lora.py would be in the path)."""
     audio, full = engine, lora_engine
     assert audio.describe()["head"] == "audio" and full.describe()["head"] == "full"
     ours = [await _head_tokens(audio, f"alone-{i}", i) for i in range(4)]
