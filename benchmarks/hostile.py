@@ -103,19 +103,20 @@ class Stream:
                         self.bytes += len(chunk)
                         self.first.set()
 
-    def gaps(self, start: float, end: float, inside: bool = False) -> list[float]:
-        """The waits between chunks that overlap [start, end] (`inside`: that lie wholly within it)."""
+    def gaps(self, start: float, end: float, ending: bool = False) -> list[float]:
+        """The waits between chunks that overlap [start, end] (`ending`: that end within it, so that windows side by
+        side share none)."""
         return [b - a for arrivals in self.requests for a, b in zip(arrivals, arrivals[1:])
-                if (a >= start and b <= end if inside else b >= start and a <= end)]
+                if (start <= b <= end if ending else b >= start and a <= end)]
 
     def longest_gap_s(self, start: float, end: float) -> float | None:
         gaps = self.gaps(start, end)
         return round(max(gaps), 3) if gaps else None
 
-    def heard(self, windows: list[tuple[float, float]], inside: bool = False) -> dict[str, object]:
+    def heard(self, windows: list[tuple[float, float]], ending: bool = False) -> dict[str, object]:
         """What the stream heard during the windows: chunks, and the waits that overlap them (p50, p99, max;
-        `inside`: only those wholly within one, as a reference that a neighbouring window's wait must not raise)."""
-        gaps = [g for start, end in windows for g in self.gaps(start, end, inside)]
+        `ending`: those that end within one)."""
+        gaps = [g for start, end in windows for g in self.gaps(start, end, ending)]
         chunks = sum(start <= t <= end for start, end in windows for arrivals in self.requests for t in arrivals)
         # requests that were playing in a window (more than one a window: a request's first audio fell in it, uncounted)
         playing = sum(bool(a) and a[0] <= end and a[-1] >= start for start, end in windows for a in self.requests)
@@ -167,34 +168,43 @@ def worker_cpu_s(stack: LocalStack) -> float:
 async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_s: float) -> dict[str, object]:
     """Each socket door flooded `rounds` times beside one stream, a quiet window of `quiet_s` before every flood:
     the stream's waits during each door's floods (from the first message to AFTERMATH_S after the flooder is done:
-    the server's work after its close counts) against its waits wholly inside the quiet windows between them, and the
-    worker process's CPU a second in each. One flooder process, started before: its start-up is not a flood's."""
+    the server's work after its close counts) against its waits in the quiet windows between them (each wait in
+    the window it ends in: the windows touch, and a wait is counted once), and the CPU a second of the worker process,
+    of the whole stack and of the flooder in each. One flooder process, started before: its start-up is not a flood's."""
     stream = Stream(worker)
     await asyncio.wait_for(stream.first.wait(), 300)
     windows: dict[str, list[tuple[float, float]]] = {"quiet": []}
-    cpu: dict[str, float] = {}
+    cpu: dict[str, dict[str, float]] = {}  # window name -> {worker, stack, flooder}: CPU seconds summed
     answers: dict[str, list[dict]] = {}
     loop = asyncio.get_running_loop()
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as flooder:
+        flooder_pid = await loop.run_in_executor(flooder, os.getpid)
         await loop.run_in_executor(flooder, os.nice, 19)  # an attacker's CPU is not the stack's
+
+        def used() -> dict[str, float]:
+            return {"worker": worker_cpu_s(stack), "stack": sum(stack.cpu_seconds().values()),
+                    "flooder": cpu_seconds(psutil.Process(flooder_pid))}
         for _ in range(rounds):
             for door in sorted(DOORS):
                 for name, work in (("quiet", lambda: asyncio.sleep(quiet_s)),
                                    (door, lambda door=door: loop.run_in_executor(flooder, door_flood, worker, door, count))):
-                    before, started = worker_cpu_s(stack), time.perf_counter()
+                    before, started = used(), time.perf_counter()
                     done = await work()
                     if done is not None:
                         answers.setdefault(name, []).append(done)
                         await asyncio.sleep(AFTERMATH_S)
                     windows.setdefault(name, []).append((started, time.perf_counter()))
-                    cpu[name] = cpu.get(name, 0.0) + worker_cpu_s(stack) - before
+                    after, summed = used(), cpu.setdefault(name, dict.fromkeys(before, 0.0))
+                    for what in summed:
+                        summed[what] += after[what] - before[what]
     await stream.stop()
     await stack.wait_idle()
     out = {}
     for name, spans in windows.items():
         seconds = sum(end - start for start, end in spans)
-        out[name] = {"windows": len(spans), "seconds": round(seconds, 2), "stream": stream.heard(spans, name == "quiet"),
-                     "worker_cpu_per_s": round(cpu[name] / seconds, 3), **({"floods": answers[name]} if name in answers else {})}
+        out[name] = {"windows": len(spans), "seconds": round(seconds, 2), "stream": stream.heard(spans, ending=True),
+                     **{f"{what}_cpu_per_s": round(v / seconds, 3) for what, v in cpu[name].items()},
+                     **({"floods": answers[name]} if name in answers else {})}
     return out
 
 
@@ -338,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, p in result["floods"].items():
         gaps = p["stream"]["gap_s"]
         print(f"floods: {name:<10s} {p['windows']} windows, {p['seconds']} s: gaps p50 {gaps.get('p50')} p99 "
-              f"{gaps.get('p99')} max {gaps['max']} s; worker process {p['worker_cpu_per_s']} CPU-s a second")
+              f"{gaps.get('p99')} max {gaps['max']} s; CPU-s a second: worker process {p['worker_cpu_per_s']}, the "
+              f"stack {p['stack_cpu_per_s']}, the flooder {p['flooder_cpu_per_s']}")
     print(json.dumps(result["bounds"], indent=2))
     print(f"written to {args.out}")
     return 0
