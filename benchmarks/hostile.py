@@ -152,51 +152,50 @@ async def phase(stack: LocalStack, worker: str, work) -> dict[str, object]:
             **{k: v for k, v in lag.items() if k.startswith("worker")}, **({"work": done} if done is not None else {})}
 
 
-def worker_cpu_s(stack: LocalStack) -> float:
-    """CPU seconds of the worker's own process (its doors, sessions and event loop), not its engine core's."""
+def worker_process(stack: LocalStack) -> psutil.Process:
+    """The worker's own process (its doors, sessions and event loop), not its engine core."""
     stack.remember()
-    total = 0.0
-    for proc in stack.procs.values():
-        try:
-            if "llm_server" in " ".join(proc.cmdline()) and "EngineCore" not in proc.name():
-                total += cpu_seconds(proc)
-        except psutil.Error:
-            pass
-    return total
+    return next(proc for proc in stack.procs.values()
+                if "llm_server" in " ".join(proc.cmdline()) and "EngineCore" not in proc.name())
 
 
 async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_s: float) -> dict[str, object]:
     """Each socket door flooded `rounds` times beside one stream, a quiet window of `quiet_s` before every flood:
     the stream's waits during each door's floods (from the first message to AFTERMATH_S after the flooder is done:
     the server's work after its close counts) against its waits in the quiet windows between them (each wait in
-    the window it ends in: the windows touch, and a wait is counted once), and the CPU a second of the worker process,
-    of the whole stack and of the flooder in each. One flooder process, started before: its start-up is not a flood's."""
+    the window it ends in: the windows touch, and a wait is counted once), and the CPU a second of the worker
+    process, of the whole stack and of the flooder in each. One flooder process, started before: its start-up is
+    not a flood's."""
     stream = Stream(worker)
     await asyncio.wait_for(stream.first.wait(), 300)
-    windows: dict[str, list[tuple[float, float]]] = {"quiet": []}
+    windows: dict[str, list[tuple[float, float]]] = {}
     cpu: dict[str, dict[str, float]] = {}  # window name -> {worker, stack, flooder}: CPU seconds summed
     answers: dict[str, list[dict]] = {}
-    loop = asyncio.get_running_loop()
+    loop, server = asyncio.get_running_loop(), worker_process(stack)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as flooder:
-        flooder_pid = await loop.run_in_executor(flooder, os.getpid)
+        attacker = psutil.Process(await loop.run_in_executor(flooder, os.getpid))
         await loop.run_in_executor(flooder, os.nice, 19)  # an attacker's CPU is not the stack's
 
         def used() -> dict[str, float]:
-            return {"worker": worker_cpu_s(stack), "stack": sum(stack.cpu_seconds().values()),
-                    "flooder": cpu_seconds(psutil.Process(flooder_pid))}
+            return {"worker": cpu_seconds(server), "stack": sum(stack.cpu_seconds().values()),
+                    "flooder": cpu_seconds(attacker)}
+
+        async def window(name: str, work) -> None:
+            before, started = used(), time.perf_counter()
+            await work
+            windows.setdefault(name, []).append((started, time.perf_counter()))
+            summed = cpu.setdefault(name, dict.fromkeys(before, 0.0))
+            for what, seconds in used().items():
+                summed[what] += seconds - before[what]
+
+        async def flood_of(door: str) -> None:
+            answers.setdefault(door, []).append(await loop.run_in_executor(flooder, door_flood, worker, door, count))
+            await asyncio.sleep(AFTERMATH_S)
+
         for _ in range(rounds):
             for door in sorted(DOORS):
-                for name, work in (("quiet", lambda: asyncio.sleep(quiet_s)),
-                                   (door, lambda door=door: loop.run_in_executor(flooder, door_flood, worker, door, count))):
-                    before, started = used(), time.perf_counter()
-                    done = await work()
-                    if done is not None:
-                        answers.setdefault(name, []).append(done)
-                        await asyncio.sleep(AFTERMATH_S)
-                    windows.setdefault(name, []).append((started, time.perf_counter()))
-                    after, summed = used(), cpu.setdefault(name, dict.fromkeys(before, 0.0))
-                    for what in summed:
-                        summed[what] += after[what] - before[what]
+                await window("quiet", asyncio.sleep(quiet_s))
+                await window(door, flood_of(door))
     await stream.stop()
     await stack.wait_idle()
     out = {}
@@ -254,7 +253,7 @@ def worker_of(stack: LocalStack) -> str:
     return f"http://{stack.config.host}:{stack.config.worker_ports()[0]}"
 
 
-async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str, dict[str, dict]]:
+async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str, dict[str, dict], dict[str, object]]:
     voices_dir = work_dir / "voices"
     voices_dir.mkdir()
     stack = start_stack("hostile", args, work_dir, voices_dir)
@@ -263,7 +262,7 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
         items = list(corpus()) if args.items == "all" else args.items.split(",")
         phases = {"quiet": await phase(stack, worker, lambda: asyncio.sleep(args.quiet_s)),
                   "uploads": await phase(stack, worker, lambda: post_corpus(worker, items))}
-        phases["floods"] = await floods(stack, worker, args.flood_rounds, args.flood, args.flood_quiet_s)
+        flooded = await floods(stack, worker, args.flood_rounds, args.flood, args.flood_quiet_s)
         started = time.perf_counter()
         await asyncio.to_thread(write_clones, voices_dir, (f"clone-{i:05d}" for i in range(args.voices)))
         written_s = time.perf_counter() - started
@@ -271,7 +270,7 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
         phases["voices"] = await phase(stack, worker, lambda: new_voices(log, voices_dir, args.new_voices))
         phases["voices"].update(clones_in_directory=args.voices, written_s=round(written_s, 1))
         phases["quiet-end"] = await phase(stack, worker, lambda: asyncio.sleep(args.quiet_s))
-        return stack.command, phases
+        return stack.command, phases, flooded
     finally:
         stack.stop()
 
@@ -279,6 +278,7 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
 async def lora_phases(args: argparse.Namespace, work_dir: Path) -> dict[str, dict]:
     """A stack with LoRA on (an adapter there at start), adapters copied in while a stream plays."""
     from benchmarks.lora_adapters import make_adapter
+
     from llm_server.config import LlmServerConfig
     from llm_server.engine.model_source import resolve_model
 
@@ -324,15 +324,14 @@ def within_bounds(phases: dict[str, dict], reference: str) -> dict[str, bool]:
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     work_dir = Path(tempfile.mkdtemp(prefix="hostile-"))
-    command, phases = await hostile_phases(args, work_dir)
-    floods = phases.pop("floods")
+    command, phases, flooded = await hostile_phases(args, work_dir)
     lora = await lora_phases(args, work_dir) if args.adapters else {}
     bounds = {"gap_within_quiet_max_plus_a_frame": within_bounds(phases, "quiet"),
-              "flood_gap_within_the_quiet_windows_max_plus_a_frame": within_bounds(floods, "quiet"),
+              "flood_gap_within_the_quiet_windows_max_plus_a_frame": within_bounds(flooded, "quiet"),
               "loop_lag_p99_under_20_ms_with_the_voices": (phases["voices"]["worker_loop_lag_p99_ms"] or 0) < 20}
     if lora:
         bounds["lora_gap_within_quiet_max_plus_a_frame"] = within_bounds(lora, "lora-quiet")
-    return {"provenance": record(PACKAGES), "stack": command, "phases": {**phases, **lora}, "floods": floods,
+    return {"provenance": record(PACKAGES), "stack": command, "phases": {**phases, **lora}, "floods": flooded,
             "bounds": bounds}
 
 

@@ -40,15 +40,14 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
         self._dropped = False  # the peer sent on after our close: not read again
 
     def data_received(self, data: bytes) -> None:
-        if self._dropped:  # uvicorn's receive() resumed reading: paused again, nothing parsed
-            self.transport.pause_reading()
+        if self._dropped:  # reading is paused: nothing after the drop is parsed
             return
         if self.close_sent:
             self._after_close += len(data)
-            if self._after_close > CLOSE_REPLY_BYTES:
-                self._drop_peer()
-                return
         self._unparsed += data
+        if self._overran_our_close():
+            self._drop_peer()
+            return
         if len(self._unparsed) > HELD_BYTES:  # again after uvicorn's receive() resumed reading meanwhile
             self._held = True
             self.transport.pause_reading()
@@ -63,7 +62,7 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
         del self._unparsed[:SLICE_BYTES]
         super().data_received(data)
         if self._unparsed and not self.transport.is_closing():
-            if self.close_sent and len(self._unparsed) > CLOSE_REPLY_BYTES:  # held from before the close
+            if self._overran_our_close():
                 self._drop_peer()
                 return
             self._parsing = True
@@ -75,18 +74,19 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
             if not self.read_paused:  # uvicorn's own pause (a message waiting for the app) resumes on its own
                 self.transport.resume_reading()
 
+    def _overran_our_close(self) -> bool:
+        """Our close went out and the peer has sent, or still has unparsed from before it, more than a close reply."""
+        return self.close_sent and max(self._after_close, len(self._unparsed)) > CLOSE_REPLY_BYTES
+
     def _drop_peer(self) -> None:
         """Our close went out and the peer sends on instead of answering it: nothing more is read or parsed (what it
         sent waits in the kernel's buffers, then its own), our side is half-closed after the close frame so that a
         peer that reads learns the close and its code, and uvicorn's close timer ends the connection. Closing it
         now would reset it with data unread, and a reset can take the close frame with it."""
-        if self._dropped:
-            return
         self._dropped = True
         log.warning("a WebSocket client %s sent over %d KiB after the server's close frame without closing: no longer "
                     "read", self.client, CLOSE_REPLY_BYTES // 1024)
-        self._unparsed.clear()
-        self._parsing = False
+        self._unparsed.clear()  # a slice already scheduled finds nothing to do (_parse_slice)
         self.transport.pause_reading()
         if self.transport.can_write_eof():  # TLS cannot half-close: its peer learns at the close timer
             self.transport.write_eof()

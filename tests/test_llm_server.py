@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import io
 import json
 import os
 import random
 import signal
-import socket
 import time
 import wave
 
@@ -143,14 +143,15 @@ def test_client_disconnect_aborts_the_engine_request(stack):
 
 
 def _post_and_leave(url: str, body: dict, after_s: float) -> None:
-    """POST `body` as JSON to `url` over a connection of its own, then close it `after_s` later without reading."""
+    """POST `body` as JSON to `url` over a connection of its own, then close it `after_s` later without reading
+    (http.client sends a request without waiting for its answer)."""
     parts = httpx.URL(url)
-    data = json.dumps(body).encode()
-    head = (f"POST {parts.raw_path.decode()} HTTP/1.1\r\nHost: {parts.host}:{parts.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
-    with socket.create_connection((parts.host, parts.port), timeout=30) as conn:
-        conn.sendall(head + data)
+    conn = http.client.HTTPConnection(parts.host, parts.port, timeout=30)
+    try:
+        conn.request("POST", parts.raw_path.decode(), json.dumps(body), {"Content-Type": "application/json"})
         time.sleep(after_s)  # mostly while the engine works on the first audio
+    finally:
+        conn.close()
 
 
 def test_random_disconnects_release_the_engine_codec_and_slots(stack):

@@ -38,9 +38,27 @@ async def engine():
     await eng.shutdown()
 
 
-async def _generate(engine, sampling: Sampling, request_id: str) -> list[int]:
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two rank-8 adapters of the tiny checkpoint, and one of rank 32 (above the engine's max_lora_rank 16)."""
+    root, base = tmp_path_factory.mktemp("adapters"), resolve_model("tiny", TINY_CACHE)
+    return {name: make_adapter(base, root / name, seed, rank) for name, seed, rank in
+            (("ava", 1, 8), ("bob", 2, 8), ("wide", 3, 32))}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lora_engine():
+    config = LlmServerConfig(cache_dir=TINY_CACHE, device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                             enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4)
+    engine = VllmEngine(config, resolve_model("tiny", TINY_CACHE))
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+async def _generate(engine, sampling: Sampling, request_id: str, adapter=None, prompt=PROMPT) -> list[int]:
     tokens: list[int] = []
-    async for delta in engine.generate(PROMPT, sampling, request_id):
+    async for delta in engine.generate(prompt, sampling, request_id, adapter):
         tokens += delta
     return tokens
 
@@ -252,12 +270,8 @@ async def test_a_request_the_engine_refuses_on_arrival_is_an_engine_error_and_ab
 # --- the audio-only head (llm_server/engine/audio_head.py, issue 44): the same tokens as Llama's whole head, which a
 # LoRA engine runs (its base voice is the reference); with LoRA on, the whole head ----------------------------------
 
-HEAD_TOKENS = 7 * 12 + 1
-
-
-async def _head_tokens(engine, request_id: str, seed: int, adapter=None) -> list[int]:
-    return [t async for d in engine.generate(PROMPT, Sampling(max_tokens=HEAD_TOKENS, seed=seed), request_id, adapter)
-            for t in d]
+def _twelve_frames(seed: int) -> Sampling:
+    return Sampling(max_tokens=7 * 12 + 1, seed=seed)
 
 
 async def test_the_audio_head_gives_the_whole_heads_tokens_alone_and_batched(engine, lora_engine):
@@ -265,11 +279,11 @@ async def test_the_audio_head_gives_the_whole_heads_tokens_alone_and_batched(eng
     Llama's whole head and nothing else (later, with every LoRA slot taken, engine/cpu_lora.py would be in the path)."""
     audio, full = engine, lora_engine
     assert audio.describe()["head"] == "audio" and full.describe()["head"] == "full"
-    ours = [await _head_tokens(audio, f"alone-{i}", i) for i in range(4)]
-    theirs = [await _head_tokens(full, f"alone-{i}", i) for i in range(4)]
+    ours = [await _generate(audio, _twelve_frames(i), f"alone-{i}") for i in range(4)]
+    theirs = [await _generate(full, _twelve_frames(i), f"alone-{i}") for i in range(4)]
     assert ours == theirs
-    ours_batched = await asyncio.gather(*(_head_tokens(audio, f"batched-{i}", i) for i in range(8)))
-    theirs_batched = await asyncio.gather(*(_head_tokens(full, f"batched-{i}", i) for i in range(8)))
+    ours_batched = await asyncio.gather(*(_generate(audio, _twelve_frames(i), f"batched-{i}") for i in range(8)))
+    theirs_batched = await asyncio.gather(*(_generate(full, _twelve_frames(i), f"batched-{i}") for i in range(8)))
     assert ours_batched == theirs_batched and ours_batched[:4] == ours
     assert all(frame_violations(tokens) == [] for tokens in ours_batched)
     assert audio.num_unfinished() == full.num_unfinished() == 0
@@ -282,36 +296,15 @@ async def test_with_lora_on_the_whole_head_runs_and_a_lora_voice_speaks_differen
     ava = Adapter("head-test-ava@9001", 9001, str(adapters["ava"]))
     await lora_engine.load_adapter(ava)
     assert lora_engine.describe()["head"] == "full"
-    base, voiced = await _head_tokens(lora_engine, "lora-base", 1), await _head_tokens(lora_engine, "lora-voiced", 1, ava)
+    base = await _generate(lora_engine, _twelve_frames(1), "lora-base")
+    voiced = await _generate(lora_engine, _twelve_frames(1), "lora-voiced", ava)
     assert voiced != base and frame_violations(voiced) == []
 
 
 # --- LoRA voices (issue 26, item 2) on the real engine: adapters made here for the `tiny` checkpoint
 # (benchmarks/lora_adapters.py), read by the voices directory as a worker reads them --------------------------------
 
-VOICE_SAMPLING = Sampling(max_tokens=7 * 12 + 1, seed=5)
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """Two rank-8 adapters of the tiny checkpoint, and one of rank 32 (above the engine's max_lora_rank 16)."""
-    root, base = tmp_path_factory.mktemp("adapters"), resolve_model("tiny", TINY_CACHE)
-    return {name: make_adapter(base, root / name, seed, rank) for name, seed, rank in
-            (("ava", 1, 8), ("bob", 2, 8), ("wide", 3, 32))}
-
-
-@pytest_asyncio.fixture(scope="module")
-async def lora_engine():
-    config = LlmServerConfig(cache_dir=TINY_CACHE, device="cpu", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                             enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4)
-    engine = VllmEngine(config, resolve_model("tiny", TINY_CACHE))
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
-async def _voice_tokens(engine, request_id: str, adapter=None, prompt=PROMPT) -> list[int]:
-    return [t async for delta in engine.generate(prompt, VOICE_SAMPLING, request_id, adapter) for t in delta]
+VOICE_SAMPLING = _twelve_frames(5)
 
 
 async def _lora_voices(engine, root) -> VoiceRegistry:
@@ -327,9 +320,9 @@ async def test_a_lora_voice_speaks_differently_from_the_base_and_the_same_each_t
         shutil.copytree(adapters[name], tmp_path / name)
     registry = await _lora_voices(lora_engine, tmp_path)
     ava, bob = registry.resolve("ava").adapter, registry.resolve("bob").adapter
-    base = await _voice_tokens(lora_engine, "base")
-    first, again, other = await _voice_tokens(lora_engine, "ava-1", ava), await _voice_tokens(lora_engine, "ava-2", ava), \
-        await _voice_tokens(lora_engine, "bob-1", bob)
+    base = await _generate(lora_engine, VOICE_SAMPLING, "base")
+    first, again, other = [await _generate(lora_engine, VOICE_SAMPLING, request_id, adapter)
+                           for request_id, adapter in (("ava-1", ava), ("ava-2", ava), ("bob-1", bob))]
     assert first == again  # same text, same seed
     assert len({tuple(base), tuple(first), tuple(other)}) == 3  # each adapter changes what is generated
     assert frame_violations(first) == frame_violations(other) == []  # the frame constraint holds under LoRA
@@ -337,12 +330,12 @@ async def test_a_lora_voice_speaks_differently_from_the_base_and_the_same_each_t
     # A clone voice's stream: the zero-shot prompt (a reference turn of 12 frames), no adapter.
     clone_prompt = clone_prompt_ids(AutoTokenizer.from_pretrained(resolve_model("tiny", TINY_CACHE)), "A reference.",
                                     np.random.default_rng(3).integers(0, 4096, size=(12, 7)), "Hello.")
-    clone = await _voice_tokens(lora_engine, "clone-alone", prompt=clone_prompt)
+    clone = await _generate(lora_engine, VOICE_SAMPLING, "clone-alone", prompt=clone_prompt)
     assert clone not in (base, first, other)
 
     # One batch of base, ava, bob and clone streams (two of each): every stream gets the tokens it got alone.
     voices = [(None, PROMPT), (ava, PROMPT), (bob, PROMPT), (None, clone_prompt)] * 2
-    mixed = await asyncio.gather(*(_voice_tokens(lora_engine, f"mixed-{i}", adapter, prompt)
+    mixed = await asyncio.gather(*(_generate(lora_engine, VOICE_SAMPLING, f"mixed-{i}", adapter, prompt)
                                    for i, (adapter, prompt) in enumerate(voices)))
     assert mixed == [base, first, other, clone] * 2
     assert lora_engine.num_unfinished() == 0
@@ -367,7 +360,8 @@ async def test_an_adapter_vllm_cannot_load_is_refused_when_found_and_never_reach
     assert sorted(why) == ["canopy", "weightless", "wide"]
     assert "LoRA rank 32 is greater than max_lora_rank 16" in why["wide"]
     assert "modules_to_save" in why["canopy"] and "lm_head" in why["canopy"]
-    assert await _voice_tokens(lora_engine, "still-serving") == await _voice_tokens(lora_engine, "still-serving-2")
+    assert await _generate(lora_engine, VOICE_SAMPLING, "still-serving") == \
+        await _generate(lora_engine, VOICE_SAMPLING, "still-serving-2")
 
 
 async def test_an_adapter_added_while_the_engine_runs_serves_and_its_removal_lets_running_requests_finish(
@@ -378,7 +372,7 @@ async def test_an_adapter_added_while_the_engine_runs_serves_and_its_removal_let
     shutil.copytree(adapters["bob"], tmp_path / "late")
     await voices.refresh(registry, lora_engine.load_adapter)
     late = registry.resolve("late").adapter
-    alone = await _voice_tokens(lora_engine, "late-alone", late)
+    alone = await _generate(lora_engine, VOICE_SAMPLING, "late-alone", late)
 
     running = lora_engine.generate(PROMPT, VOICE_SAMPLING, "late-running", late)
     tokens = list(await anext(running))
