@@ -16,6 +16,9 @@ from pathlib import Path
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Variables that change a figure without changing the command: glibc's allocator (a CPU decoder's step time moved by
+# a fifth with MALLOC_MMAP_THRESHOLD_, benchmarks/README.md), OpenMP's and the libraries' threads, Inductor's caches.
+ENVIRONMENT_THAT_MATTERS = ("MALLOC_", "OMP_", "MKL_", "TORCH", "CUDA_VISIBLE")
 
 
 def record(packages: Iterable[str], argv: Sequence[str] | None = None) -> dict[str, object]:
@@ -25,6 +28,7 @@ def record(packages: Iterable[str], argv: Sequence[str] | None = None) -> dict[s
     where = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else script
     return {"machine": machine(), "commit": git_commit(), "when": timestamp(),
             "command": " ".join(["python", str(where), *(sys.argv[1:] if argv is None else argv)]),
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENVIRONMENT_THAT_MATTERS)},
             "versions": versions(packages)}
 
 

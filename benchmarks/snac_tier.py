@@ -19,6 +19,7 @@ thread count, and with `--busy K` again beside K busy loops in a session of thei
 runs one thread unless told more: snac_server/config.py cpu_threads).
 
     .venv/bin/python benchmarks/snac_tier.py --quick
+    .venv/bin/python benchmarks/snac_tier.py --quick --compile-step on    # the compiled step (2-4 min more on a CPU)
     .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,2,4,8,12,48 --device cpu    # ~1 min on 2 cores
     .venv/bin/python benchmarks/snac_tier.py --forward-sizes 1,4 --threads 1,2 --busy 2 --device cpu
     .venv/bin/python benchmarks/snac_tier.py --forward-sizes 4 --step-frames 1 --threads 1,2 --busy 2 --device cpu
@@ -67,6 +68,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--compile-step", default="auto", choices=("auto", "on", "off"),
+                   help="the streaming step through torch.compile (auto: on a GPU; a CPU compiles for 2-3 minutes)")
     p.add_argument("--model", default="random-24khz")
     p.add_argument("--forward-sizes", default="", metavar="ROWS,ROWS",
                    help="instead: ms per frame of one forward of ROWS steps of 4 frames, each size in turn")
@@ -181,9 +184,12 @@ async def measure(server: SnacServer, address: str, policy: str, regime: str, ar
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = SnacServerConfig(host="127.0.0.1", port=0, metrics_port=-1, model=args.model, device=args.device,
-                              dtype=args.dtype, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+                              dtype=args.dtype, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                              compile_step=args.compile_step)
     server, port = build_server(config)
-    await server.start()
+    started = time.perf_counter()
+    await server.start()  # warm-up: the compile, where the step is compiled
+    warm_up_s = time.perf_counter() - started
     address = f"127.0.0.1:{port}"
     try:
         await measure(server, address, "streaming", "unpaced", argparse.Namespace(streams=2, frames=6))  # warm-up
@@ -199,6 +205,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{cpu_model()}, torch threads {torch.get_num_threads()}",
         "device_type": device, "streams": args.streams, "frames_per_stream": args.frames, "dtype": args.dtype,
         "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "frame_buckets": list(config.frame_buckets),
+        "compiled_step": bool(server.metrics.registry.get_sample_value("snac_compiled_step")), "warm_up_s": round(warm_up_s, 1),
         "model": args.model, "regimes": results,
         "definitions": {
             "trickle": "frame k of every stream is sent once every stream has the audio frames 0..k-1 made final",

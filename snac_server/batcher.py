@@ -207,6 +207,7 @@ class MicroBatcher:
         try:
             self._runner.bind_thread()  # CUDA's current device is per thread: this one's must be the runner's
             self._runner.warm_up()
+            self._metrics.compiled_step.set(int(getattr(self._runner, "compiled", False)))  # a benchmark's double has none
         except BaseException as exc:  # handed to wait_ready(): a server must never wait forever for this thread
             self._warm_up_error = exc
             return

@@ -36,6 +36,11 @@ class SnacServerConfig(Settings):
     # with its frames. 0: 16 on CPU, max_batch on GPU (a full step of 1-frame rows).
     max_step_frames: int = Field(0, ge=0)
     cuda_graphs: bool = True  # capture one graph per (batch size, frames per step) on GPU
+    # The streaming step through torch.compile (Inductor: elementwise work fused around the convolutions). auto: on a
+    # GPU; not on a CPU, where warm-up compiles for about 2 minutes on 2 cores and the step is 1.3-1.4x faster, with
+    # glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ fixed (benchmarks/README.md, "The compiled step").
+    # A compile that fails at warm-up is logged and the eager step serves (snac_compiled_step says which).
+    compile_step: Literal["auto", "on", "off"] = "auto"
     # PyTorch's intra-op threads for CPU work. A CPU step waits at every OpenMP barrier for all of them,
     # and one the scheduler parks (other processes busy on the replica's cores) stalls the step:
     # beside two busy loops on 2 cores, 2 threads decoded 1.7-2.2x slower than 1 (benchmarks/README.md,
@@ -72,6 +77,11 @@ class SnacServerConfig(Settings):
         if 1 not in self.frame_buckets:
             raise ValueError("frame_buckets must include 1 (every stream can advance by one frame)")
         return self
+
+    @property
+    def compiled_step(self) -> bool:
+        """Whether the streaming step is compiled: `auto` compiles on a GPU."""
+        return self.compile_step == "on" or (self.compile_step == "auto" and self.resolved_device.startswith("cuda"))
 
     @property
     def resolved_device(self) -> str:

@@ -40,6 +40,8 @@ class SnacMetrics:
         self.encode_latency = Histogram("snac_encode_seconds", "Wall time of one encode (a clone voice's reference "
                                         "recording), on the encoder's thread", buckets=_LATENCY_BUCKETS, registry=r)
         self.encodes_total = Counter("snac_encodes", "Encode requests by outcome", ["outcome"], registry=r)
+        self.compiled_step = Gauge("snac_compiled_step", "1 while the streaming step runs compiled (torch.compile), 0 "
+                                   "eager (not asked, or its compile failed at warm-up: the log says why)", registry=r)
         self.decoder_snr_db = Gauge("snac_decoder_snr_db", "The decoder's SNR against fp32 on the served weights "
                                     "(+Inf in fp32; measured at start-up for fp16/bf16)", registry=r)
 

@@ -6,6 +6,13 @@ decoder is hundreds of small kernels: launches, not FLOPs, bound it); a batch is
 next captured size, its padding rows pointed at the streaming decoder's scratch slot. The host
 stages each forward's inputs in pinned memory, copies them in without blocking, and reads the PCM
 back once per forward.
+
+The streaming step may be compiled (torch.compile, Inductor: the Snake activations, masks, noise and
+residual adds fuse around the convolutions; benchmarks/README.md). Its batch and frame dimensions are
+marked dynamic, so a few graphs serve every shape (dynamic shapes still specialize a dimension of 1: a
+lone row, a 1-frame row); warm-up runs each frame bucket at 1, 2 and its most rows, so that every graph
+is compiled before serving. A compile that fails at warm-up (no C compiler on the node, an Inductor bug)
+is logged and the eager step serves.
 """
 
 from __future__ import annotations
@@ -79,9 +86,13 @@ class DecoderRunner:
     """Decode rows: streaming steps through `streaming`, reference windows through `full`."""
 
     def __init__(self, full: SnacDecoder, streaming: StreamingDecoder, max_batch: int, frame_buckets: tuple[int, ...],
-                 cuda_graphs: bool, max_step_frames: int = 0) -> None:
+                 cuda_graphs: bool, max_step_frames: int = 0, compile_step: bool = False) -> None:
         self.full = full
         self.streaming = streaming
+        self.compiled = compile_step
+        self._step: Callable[..., torch.Tensor] = torch.compile(streaming, dynamic=False) if compile_step else streaming
+        if compile_step:  # the graphs a ladder of batch sizes x frame buckets needs, before dynamo gives up and runs eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.device = indexed(full.device)
         self.max_batch = max_batch
         self.frame_buckets = tuple(sorted(frame_buckets))
@@ -108,17 +119,30 @@ class DecoderRunner:
             torch.cuda.set_device(self.device)
 
     def warm_up(self) -> None:
-        """Capture every graph (GPU) or run each shape once (CPU) before serving."""
+        """Capture every graph (GPU) or run each shape once (CPU) before serving; compile the step first if asked,
+        or serve the eager step if that fails."""
+        if self.compiled:
+            try:
+                return self._warm_up()
+            except Exception:
+                log.exception("the compiled streaming step failed at warm-up: the eager step serves")
+                self.compiled, self._step = False, self.streaming
+                self._graphs.clear()
+                self._ladders = self.graph_ladders()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
         shapes = [("step", f) for f in self.frame_buckets] + [("window", REFERENCE_WINDOW)]
         if not self.use_graphs:
-            for kind, n in shapes:
-                self._forward(kind, n, self._example(kind, 1, n))
+            for kind, n in shapes:  # a compiled step: every graph its dynamic shapes need (see the module's text)
+                for batch in sorted({1, 2, self.rows_per_forward(n)}) if self.compiled and kind == "step" else (1,):
+                    self._forward(kind, n, self._example(kind, batch, n))
             return
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the memory pool the largest one sized.
         for kind, n in sorted(shapes, key=lambda s: -s[1]):
             for batch in reversed(self._ladders[n]):
-                inputs = [t.to(self.device) for t in self._example(kind, batch, n)]
+                inputs = self._dynamic(kind, [t.to(self.device) for t in self._example(kind, batch, n)])
                 pad = [self.streaming.num_slots, 0, 0, OPEN_END, 0, 1] if kind == "step" else [0, 0, 0]
                 self._graphs[(kind, batch, n)] = _Graph(self._model(kind), inputs, pad, pool)
         torch.cuda.synchronize()
@@ -150,7 +174,16 @@ class DecoderRunner:
                 publish(part, list(audio))
 
     def _model(self, kind: str) -> Callable[..., torch.Tensor]:
-        return self.streaming if kind == "step" else self.full
+        return self._step if kind == "step" else self.full
+
+    def _dynamic(self, kind: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A compiled step's inputs with their batch and frames marked dynamic (past 1: a size of 1 is specialized)."""
+        if kind == "step" and self.compiled:
+            for t, dims in zip(args, ((0,), (0, 1), (0,), (0,), (0,), (0,))):
+                for d in dims:
+                    if t.shape[d] > 1:
+                        torch._dynamo.mark_dynamic(t, d)
+        return args
 
     def _forward(self, kind: str, n: int, args: list[torch.Tensor]) -> torch.Tensor:
         b = args[0].shape[0]
@@ -160,7 +193,8 @@ class DecoderRunner:
             graph = self._graphs.get((kind, ladder[i], n)) if i < len(ladder) else None
             if graph is not None:
                 return graph.run(args)
-        return self._model(kind)(*(t.to(self.device, non_blocking=True) for t in args))
+        args = self._dynamic(kind, [t.to(self.device, non_blocking=True) for t in args])
+        return self._model(kind)(*args)
 
     def _stage(self, kind: str, rows: list[Row]) -> list[torch.Tensor]:
         """The forward's inputs as host tensors (pinned on GPU, so the copies in do not block)."""

@@ -5,14 +5,16 @@ Needs only torch, numpy, snac, grpcio (+ health, reflection), protobuf and prome
 runs on a bare GPU node (deploy/gpu/first_contact.sh). In order, each part on its own (one that
 raises is a failed check, the rest still run):
 
-- warm-up exactly as snac-server's: every CUDA Graph of the batch ladder x frame buckets and the
-  reference window captured, with the seconds and the memory it took;
-- a replayed graph against the eager forward (same inputs, same state rows), and a seeded stream
-  fed in steps against one eager decode of the whole sequence;
+- warm-up exactly as snac-server's: the streaming step compiled on a GPU (compile_step auto), every CUDA Graph of
+  the batch ladder x frame buckets and the reference window captured, with the seconds and the memory it took;
+- a replayed graph (of the compiled step, on a GPU) against the eager forward (same inputs, same state rows), and
+  a seeded stream fed in steps against one eager decode of the whole sequence;
 - no host sync in the eager and the replayed step: the sync detector on any device, and on a GPU
   torch.cuda.set_sync_debug_mode("error"), which also sees the syncs inside C++ ops;
 - steps timed at batch 1, 2, 4 ... max_batch for the streaming decoder (1 frame per stream) and the
-  reference decoder (one 4-frame window per frame), in fp32 and bf16 (with bf16's SNR to fp32);
+  reference decoder (one 4-frame window per frame), in fp32 (and the eager step beside the compiled one),
+  fp16 and bf16 (with their SNR to fp32), and the precision a replica should run: the fastest whose SNR
+  to fp32 is at least SERVE_SNR_DB;
 - a gRPC replica with snac-server's defaults on the device serving concurrent streams, each equal
   to a full decode.
 """
@@ -47,6 +49,10 @@ FRAME_BUCKETS = SnacServerConfig.default("frame_buckets")
 DEFAULT_MODEL = SnacServerConfig.default("model")  # random-24khz: the real architecture at its real cost
 NOT_ON_CPU = "not measured: cpu"
 MIB = 2**20
+HALF_PRECISIONS = ("float16", "bfloat16")
+# The quality bound of the precision the doctor recommends: the server's own warning level (codec_model.WARN_SNR_DB):
+# fp16 measures ~58 dB to fp32 on SNAC 24 kHz, better than 8-bit linear PCM; bf16 ~39 dB, audible hiss in quiet passages.
+SERVE_SNR_DB = WARN_SNR_DB
 
 
 def _frames(n: int, seed: int) -> np.ndarray:
@@ -70,9 +76,14 @@ def _part(checks: dict[str, dict], name: str, fn: Callable[[], dict]) -> bool:
     return bool(checks[name].get("ok"))
 
 
-def _runner(device: str, dtype: str, max_batch: int, buckets: tuple[int, ...], model: str) -> DecoderRunner:
+def _runner(device: str, dtype: str, max_batch: int, buckets: tuple[int, ...], model: str,
+            compile_step: bool | None = None) -> DecoderRunner:
+    """A runner as a replica builds it: graphs, and the step compiled where snac-server's `auto` compiles it (a GPU)."""
     decoder = build_decoder(model, device, dtype, max_batch)
-    return DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max_batch), max_batch, buckets, cuda_graphs=True)
+    if compile_step is None:
+        compile_step = SnacServerConfig(device=device, compile_step="auto").compiled_step
+    return DecoderRunner(decoder, StreamingDecoder(decoder, num_slots=max_batch), max_batch, buckets, cuda_graphs=True,
+                         compile_step=compile_step)
 
 
 def _mib(n_bytes: int) -> float:
@@ -92,7 +103,7 @@ def warm_up(runner: DecoderRunner) -> dict[str, object]:
     seconds = round(time.perf_counter() - started, 2)
     state = sum(t.numel() * t.element_size() for t in runner.streaming.state)
     result: dict[str, object] = {
-        "ok": True, "seconds": seconds, "cuda_graphs": len(runner._graphs),
+        "ok": True, "seconds": seconds, "cuda_graphs": len(runner._graphs), "compiled_step": runner.compiled,
         "batch_ladder": list(runner.batch_sizes), "frame_buckets": list(runner.frame_buckets),
         "max_step_frames": runner.max_step_frames, "graph_ladders": runner.graph_ladders() if runner.use_graphs else NOT_ON_CPU,
         "reference_window": REFERENCE_WINDOW, "state_mib": _mib(state),
@@ -272,15 +283,38 @@ def replica_serves(device: str, streams: int, quick: bool, model: str) -> dict[s
                       f"gRPC streams; each against one full decode"}
 
 
-def half_precision(device: str, max_batch: int, repeats: int, model: str) -> dict[str, object]:
-    """bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows)."""
-    runner = _runner(device, "bfloat16", max_batch, (1,), model)
+def half_precision(device: str, dtype: str, max_batch: int, repeats: int, model: str) -> dict[str, object]:
+    """fp16's or bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows)."""
+    runner = _runner(device, dtype, max_batch, (1,), model)
     found: dict[str, object] = {"snr_db_to_fp32": round(runner.full.snr_db, 1)}
     if not runner.use_graphs:  # CPUs without bf16 units emulate it (~40x slower here): a figure of no use to anyone
         return {**found, "speed": NOT_ON_CPU}
     runner.bind_thread()
     runner.warm_up()
-    return {**found, **speed(runner, repeats)}
+    return {**found, "compiled_step": runner.compiled, **speed(runner, repeats)}
+
+
+def eager_speed(device: str, max_batch: int, repeats: int, model: str) -> dict[str, object]:
+    """fp32 with the step not compiled, beside the compiled figures (a GPU's: a CPU's step is eager already)."""
+    if not device.startswith("cuda"):
+        return {"speed": NOT_ON_CPU}
+    runner = _runner(device, "float32", max_batch, (1,), model, compile_step=False)
+    runner.bind_thread()
+    runner.warm_up()
+    return {"streaming": speed(runner, repeats)["streaming"]}
+
+
+def chosen_precision(figures: dict[str, object]) -> dict[str, object]:
+    """The fastest precision whose SNR to fp32 is at least SERVE_SNR_DB, by its streaming real-time streams
+    (fp32 where no half precision was timed: a CPU's, or one whose timing failed)."""
+    def streams(dtype: str) -> float:
+        found = figures.get(dtype, {})
+        return found.get("streaming", {}).get("realtime_streams", 0.0) if isinstance(found, dict) else 0.0
+
+    fit = ["float32"] + [d for d in HALF_PRECISIONS if figures.get(d, {}).get("snr_db_to_fp32", 0) >= SERVE_SNR_DB]
+    best = max(fit, key=lambda d: (streams(d), d == "float32"))
+    return {"dtype": best, "snr_bound_db": SERVE_SNR_DB, "realtime_streams": streams(best) or NOT_ON_CPU,
+            "detail": "the fastest precision within the SNR bound (snac-server --dtype)"}
 
 
 def _free_device_memory() -> None:
@@ -309,8 +343,12 @@ def check_codec(device: str, max_batch: int, quick: bool, model: str = DEFAULT_M
         figures["float32"] = _run("float32", lambda: speed(runner, repeats))  # a figure: it fails no check
     runner = None
     _free_device_memory()
-    figures["bfloat16"] = _run("bfloat16", lambda: half_precision(device, max_batch, repeats, model))
+    figures["float32_eager"] = _run("float32_eager", lambda: eager_speed(device, max_batch, repeats, model))
     _free_device_memory()
+    for dtype in HALF_PRECISIONS:
+        figures[dtype] = _run(dtype, lambda: half_precision(device, dtype, max_batch, repeats, model))
+        _free_device_memory()
     figures["half_precision_warn_below_db"] = WARN_SNR_DB
+    figures["chosen_precision"] = chosen_precision(figures)
     _part(checks, "codec_replica_serves", lambda: replica_serves(device, 2 if quick else 16, quick, model))
     return checks, figures

@@ -146,7 +146,8 @@ def build_runner(config: SnacServerConfig, metrics: SnacMetrics) -> DecoderRunne
     streaming = StreamingDecoder(decoder, num_slots=config.max_streams)
     if streaming.delay != STREAMING_DELAY_SAMPLES:  # clients time their stall detector by the contract's figure
         raise ValueError(f"{config.model} decodes with a delay of {streaming.delay} samples, the contract says {STREAMING_DELAY_SAMPLES}")
-    return DecoderRunner(decoder, streaming, config.max_batch, config.frame_buckets, config.cuda_graphs, config.max_step_frames)
+    return DecoderRunner(decoder, streaming, config.max_batch, config.frame_buckets, config.cuda_graphs, config.max_step_frames,
+                        config.compiled_step)
 
 
 def build_server(config: SnacServerConfig, runner: DecoderRunner | None = None) -> tuple[SnacServer, int]:

@@ -154,7 +154,7 @@ class StreamingDecoder(nn.Module):
     def floats_per_slot(self) -> int:
         return sum(s[0].numel() for s in self.state)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torch.compile cannot trace that (an inference tensor's version counter)
     def forward(self, slots: torch.Tensor, codes: torch.Tensor, frame0: torch.Tensor, end: torch.Tensor,
                 seeds: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         blank = fresh[:, None, None]

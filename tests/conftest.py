@@ -98,7 +98,7 @@ SHARED_STACKS = ("megapod",)
 # The longest groups first (a minute or more each on two cores), so that neither worker is left with one at
 # the end while the other idles; then the rest in file order, the image test last (it waits for its build).
 LONGEST_FIRST = ("megapod", "tests/test_doctor.py", "tests/test_gpu_kit.py", "tests/test_vllm_engine.py",
-                 "tests/test_chart_parity.py", "tests/test_streaming.py", "tests/test_codec_model.py")
+                 "tests/test_compiled_step.py", "tests/test_chart_parity.py", "tests/test_streaming.py", "tests/test_codec_model.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,7 +1,8 @@
-"""The GPU kit, dry-run on CPU so it cannot rot (issue 24): `make gpu-kit` fetches the codec tier's wheels,
-deploy/gpu/first_contact.sh installs them into a private folder and runs `python -m megapod.doctor --codec-only`
-where vLLM and the web stack cannot be imported (a bare GPU node has neither), and the JSON holds every
-field a GPU run fills, the GPU-only ones saying so."""
+"""The GPU kit and the GPU program, dry-run on CPU so they cannot rot (issues 24, 45): `make gpu-kit` fetches the
+codec tier's wheels; deploy/gpu/program.sh runs first_contact.sh, which installs them into a private folder and
+runs `python -m megapod.doctor --codec-only` where vLLM and the web stack cannot be imported (a bare GPU node has
+neither), then the LLM tier's ceiling in plain PyTorch; the JSON holds every field a GPU run fills, the GPU-only
+ones saying so."""
 
 from __future__ import annotations
 
@@ -46,15 +47,22 @@ def node_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def first_contact(node_env, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def program(node_env, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     made = subprocess.run(["make", "gpu-kit"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     print(made.stdout[-600:])  # the kit's size
-    out = tmp_path_factory.mktemp("first-contact")
-    ran = subprocess.run([str(ROOT / "deploy/gpu/first_contact.sh"), str(out), "--device", "cpu", "--max-batch", "2", "--quick"],
+    out = tmp_path_factory.mktemp("gpu-program")
+    ran = subprocess.run([str(ROOT / "deploy/gpu/program.sh"), str(out), "--device", "cpu"],
                          capture_output=True, text=True, timeout=900, env=node_env)
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
     return ran, out
+
+
+@pytest.fixture(scope="module")
+def first_contact(program) -> tuple[str, Path]:
+    """The program's first part: first_contact.sh's output and folder."""
+    _, out = program
+    return (out / "first-contact.log").read_text(), out / "first-contact"
 
 
 @pytest.mark.parametrize("module", BLOCKED + KIT_ONLY)
@@ -87,7 +95,32 @@ def test_first_contact_installs_the_kit_privately_and_prints_the_versions(first_
     # The pure-Python wheels fit any Python, so they come from the kit, into a folder of their own.
     installed = next(line for line in versions.splitlines() if line.startswith("installed from the kit"))
     assert "snac-1.2.1-py3-none-any.whl" in installed and "megapod-gpu-site." in installed
-    assert "doctor exit status 0" in ran.stdout
+    assert "doctor exit status 0" in ran
+
+
+def test_the_program_runs_every_part_and_says_so(program):
+    ran, out = program
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and list(summary["parts"]) == ["first-contact", "llm-ceiling"]
+    assert all(p["exit_status"] == 0 and 0 < p["seconds"] < p["limit_s"] for p in summary["parts"].values())
+    assert {"first-contact/doctor.json", "llm-ceiling.json", "first-contact.log"} <= set(summary["files"])
+    assert "llm-ceiling: exit status 0" in ran.stdout
+
+
+def test_the_llm_ceiling_names_every_gpu_figure_and_runs_its_code_on_a_tiny_model(program):
+    _, out = program
+    ceiling = json.loads((out / "llm-ceiling.json").read_text())
+    assert ceiling["arch"]["layers"] == 28 and ceiling["arch"]["vocab"] == 156940  # the figures' model: Orpheus 3B
+    grid = ceiling["figures"]
+    assert set(grid) == {"bf16", "fp8"} and all(set(heads) == {"full", "audio"} for heads in grid.values())
+    named = [f for heads in grid.values() for contexts in heads.values() for batches in contexts.values()
+             for f in batches.values()]
+    assert len(named) == 2 * 2 * 3 * 8 and set(named) == {"not measured: cpu"}
+    assert set(grid["bf16"]["full"]) == {"300", "600", "1200"} and "512" in grid["bf16"]["full"]["1200"]
+    tiny = ceiling["dry_run"]["figures"]  # the same code eager on a tiny model: bf16 and FP8 (torch._scaled_mm), both heads
+    timed = [f for heads in tiny.values() for contexts in heads.values() for batches in contexts.values()
+             for f in batches.values()]
+    assert len(timed) == 2 * 2 * 2 and all(f["step_ms"] > 0 and f["bytes_read_gb"] >= 0 for f in timed), tiny
 
 
 def test_the_codec_only_doctor_passes_and_writes_every_field(first_contact):
@@ -103,7 +136,9 @@ def test_the_codec_only_doctor_passes_and_writes_every_field(first_contact):
         timed = codec["float32"][kind]
         assert set(timed["step_ms"]) == {"1", "2"} and all(ms > 0 for ms in timed["step_ms"].values())
         assert timed["realtime_streams"] == max(timed["audio_s_per_s"].values()) > 0
-    assert 30 < codec["bfloat16"]["snr_db_to_fp32"] < 50
+    assert 30 < codec["bfloat16"]["snr_db_to_fp32"] < 50 < codec["float16"]["snr_db_to_fp32"]
+    assert codec["chosen_precision"]["dtype"] == "float32"  # no half precision was timed on a CPU
+    assert warm["compiled_step"] is False  # a CPU's replica does not compile (compile_step auto)
     streamed = report["checks"]["codec_streaming_equals_full_decode"]
     assert 0 < max(streamed["max_abs_diff"].values()) <= streamed["tolerance"]
     served = report["checks"]["codec_replica_serves"]
@@ -116,8 +151,9 @@ def test_gpu_only_fields_say_not_measured_on_cpu(first_contact):
     report = json.loads((out / "doctor.json").read_text())
     gpu_only = [report["checks"]["codec_warm_up"]["graph_pool_mib"], report["checks"]["codec_warm_up"]["peak_allocated_mib"],
                 report["checks"]["codec_graph_equals_eager"]["detail"], report["checks"]["codec_step_never_syncs"]["cuda_sync_debug"],
-                report["figures"]["codec"]["bfloat16"]["speed"]]
-    assert gpu_only == ["not measured: cpu"] * 5
+                report["figures"]["codec"]["bfloat16"]["speed"], report["figures"]["codec"]["float16"]["speed"],
+                report["figures"]["codec"]["float32_eager"]["speed"]]
+    assert gpu_only == ["not measured: cpu"] * 7
     assert report["checks"]["codec_warm_up"]["cuda_graphs"] == 0
     assert not {"llm_engine_starts", "attention"} & {*report["checks"], *report}
 

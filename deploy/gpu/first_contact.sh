@@ -12,18 +12,10 @@ set -euo pipefail
 out=${1:?usage: deploy/gpu/first_contact.sh OUT_DIR [megapod doctor flags]}
 shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-kit=${MEGAPOD_GPU_KIT:-$repo/.gpu-kit}
 python=${PYTHON:-python3}
 mkdir -p "$out"
-site=$(mktemp -d "${TMPDIR:-/tmp}/megapod-gpu-site.XXXXXX")
-trap 'rm -rf "$site"' EXIT
-
-wheels=$("$python" "$repo/deploy/gpu/kit_wheels.py" "$kit")
-if [ -n "$wheels" ]; then
-  # shellcheck disable=SC2086  # one path a line, no spaces: the kit's wheel names
-  "$python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$site" $wheels
-fi
-export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# shellcheck source=deploy/gpu/kit_site.sh
+source "$repo/deploy/gpu/kit_site.sh"
 
 {
   echo "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'none (no nvidia-smi answer)')"

@@ -160,7 +160,7 @@ def examine(device: str, quick: bool, cache_dir: str | None = None, codec_only: 
 
 def _codec_lines(codec: dict) -> list[str]:
     lines = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "float32_eager", "float16", "bfloat16"):
         speed = codec.get(dtype, {})
         for kind in ("streaming", "reference"):
             if kind in speed:
@@ -169,6 +169,9 @@ def _codec_lines(codec: dict) -> list[str]:
                              f"(audio-s/s by batch {by_batch})")
         if "snr_db_to_fp32" in speed:
             lines.append(f"  codec {dtype}: {speed['snr_db_to_fp32']} dB SNR to fp32")
+    if "dtype" in codec.get("chosen_precision", {}):
+        chosen = codec["chosen_precision"]
+        lines.append(f"  codec precision to serve: {chosen['dtype']} (the fastest at >= {chosen['snr_bound_db']} dB SNR to fp32)")
     return lines
 
 
