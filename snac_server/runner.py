@@ -4,8 +4,9 @@ Rows of the same shape share a forward: streaming steps by frames per row, refer
 window length. On GPU each (batch size, shape) replays a CUDA Graph captured at start-up (SNAC's
 decoder is hundreds of small kernels: launches, not FLOPs, bound it); a batch is padded up to the
 next captured size, its padding rows pointed at the streaming decoder's scratch slot. The host
-stages each forward's inputs in pinned memory, copies them in without blocking, and reads the PCM
-back once per forward.
+stages each forward's inputs in pinned memory, copies them in without blocking, and copies the PCM
+back into pinned memory without blocking too: a step's next forward is staged and launched before the
+host waits for the last one's PCM and hands it out, so host work and GPU work overlap.
 
 The streaming step may be compiled (torch.compile, Inductor: the Snake activations, masks, noise and
 residual adds fuse around the convolutions; benchmarks/README.md). Its batch and frame dimensions are
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -161,17 +162,43 @@ class DecoderRunner:
 
     def decode(self, rows: list[Row], publish: Publish) -> None:
         """Decode `rows`, one forward per shape group (split to rows_per_forward); after each forward,
-        `publish(indices, pcms)` hands those rows' float32 PCM back. Raises what a forward raised."""
+        `publish(indices, pcms)` hands those rows' float32 PCM back, once the next forward is launched (the last at
+        the end). Raises what a forward raised, after handing back the forwards before it."""
         groups: dict[tuple[str, int], list[int]] = defaultdict(list)
         for i, row in enumerate(rows):
             groups[("step", len(row.codes)) if isinstance(row, StreamStep) else ("window", len(row.frames))].append(i)
-        for (kind, n), idx in groups.items():
-            step = self.rows_per_forward(n)
-            for lo in range(0, len(idx), step):
-                part = idx[lo : lo + step]
-                audio = self._forward(kind, n, self._stage(kind, [rows[i] for i in part]))
-                audio = audio.cpu().numpy()  # the one device-to-host copy of the forward
-                publish(part, list(audio))
+        pending: deque[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = deque()
+        try:
+            for (kind, n), idx in groups.items():
+                step = self.rows_per_forward(n)
+                for lo in range(0, len(idx), step):
+                    part = idx[lo : lo + step]
+                    audio = self._forward(kind, n, self._stage(kind, [rows[i] for i in part]))
+                    pending.append((part, *self._to_host(audio)))
+                    if len(pending) > 1:  # while this forward runs on the GPU: the last one's PCM out
+                        self._hand_back(pending.popleft(), publish)
+        finally:  # the forwards that ran are handed back, even when a later one raised
+            while pending:
+                self._hand_back(pending.popleft(), publish)
+
+    def _to_host(self, audio: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The forward's PCM copied to pinned host memory without waiting, and an event after the copy (a GPU's);
+        on a CPU the PCM itself. The copy follows the forward on the stream, so a graph's next replay, later on the
+        same stream, cannot overwrite its output first."""
+        if self.device.type != "cuda":
+            return audio, None
+        host = torch.empty(audio.shape, dtype=audio.dtype, pin_memory=True)
+        host.copy_(audio, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    @staticmethod
+    def _hand_back(forward: tuple[list[int], torch.Tensor, torch.cuda.Event | None], publish: Publish) -> None:
+        part, host, done = forward
+        if done is not None:
+            done.synchronize()  # the host's one wait for this forward: its PCM is here
+        publish(part, list(host.numpy()))
 
     def _model(self, kind: str) -> Callable[..., torch.Tensor]:
         return self._step if kind == "step" else self.full

@@ -242,3 +242,37 @@ async def test_a_row_without_a_due_time_is_due_when_it_came_and_one_of_a_frame_e
         runner.first_step_may_end.set()
         batcher.stop()
     assert runner.steps == [[0], list(range(1, 17)), list(range(17, 21))]  # arrival order, 16 frames a step
+
+
+def test_each_forwards_pcm_is_handed_back_once_the_next_forward_is_launched(decoder, streaming):
+    """Host work beside the GPU's (issue 45): a step's next forward is staged and launched before the host waits
+    for the last one's PCM and hands it out; the last forward's at the end."""
+    runner = runner_of(decoder, streaming, max_step_frames=8)  # 2 rows of 4 frames a forward
+    events: list[tuple[str, object]] = []
+    launch = runner._forward
+
+    def logged(kind, n, args):
+        events.append(("forward", args[0].shape[0]))
+        return launch(kind, n, args)
+
+    runner._forward = logged
+    runner.decode(steps(5, 4), lambda part, pcms: events.append(("handed back", list(part))))
+    assert events == [("forward", 2), ("forward", 2), ("handed back", [0, 1]), ("forward", 1), ("handed back", [2, 3]),
+                      ("handed back", [4])]
+
+
+def test_a_forward_that_raises_still_hands_back_the_forward_before_it(decoder, streaming):
+    runner = runner_of(decoder, streaming, max_step_frames=8)
+    launch, calls = runner._forward, []
+
+    def second_fails(kind, n, args):
+        calls.append(n)
+        if len(calls) == 2:
+            raise RuntimeError("scripted failure of the second forward")
+        return launch(kind, n, args)
+
+    runner._forward = second_fails
+    handed: list[list[int]] = []
+    with pytest.raises(RuntimeError, match="second forward"):
+        runner.decode(steps(5, 4), lambda part, pcms: handed.append(list(part)))
+    assert handed == [[0, 1]]
