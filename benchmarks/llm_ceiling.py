@@ -26,7 +26,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -227,8 +227,8 @@ def measure(weights: Weights, head: str, batch: int, context: int, graphs: bool,
 
 
 def measure_grid(arch: Arch, device: torch.device, batches: Sequence[int], contexts: Sequence[int], graphs: bool,
-                 replays: int) -> dict[str, Any]:
-    """figures[format][head][context][batch]; each format's weights built once."""
+                 replays: int, measured: Callable[[dict[str, Any]], None] = lambda figures: None) -> dict[str, Any]:
+    """figures[format][head][context][batch]; each format's weights built once, `measured` called after each."""
     figures: dict[str, Any] = {}
     for fmt in FORMATS:
         try:
@@ -238,27 +238,32 @@ def measure_grid(arch: Arch, device: torch.device, batches: Sequence[int], conte
             continue
         figures[fmt] = {head: {str(c): {str(b): measure(weights, head, b, c, graphs, replays) for b in batches}
                                for c in contexts} for head in HEADS}
+        measured(figures)
         del weights
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return figures
 
 
-def summarize(figures: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
-    """Per format, head and context: the largest batch that keeps every stream at real time."""
+def summarize(figures: dict[str, Any]) -> dict[str, Any]:
+    """Per format, head and context: the largest batch that kept every stream at real time (0: none did; where
+    nothing was measured, why; a format whose weights could not be built, its error)."""
     best: dict[str, Any] = {}
     for fmt, heads in figures.items():
+        if "error" in heads:
+            best[fmt] = heads["error"]
+            continue
         for head, contexts in heads.items():
             for context, batches in contexts.items():
                 kept = [int(b) for b, f in batches.items() if isinstance(f, dict) and f.get("realtime_streams")]
-                best[f"{fmt}/{head}/{context}"] = max(kept) if kept else (NOT_ON_CPU if all(
-                    f == NOT_ON_CPU for f in batches.values()) else 0)
+                reasons = {f if isinstance(f, str) else None for f in batches.values()}  # None: a figure
+                unmeasured = len(reasons) == 1 and None not in reasons
+                best[f"{fmt}/{head}/{context}"] = max(kept) if kept else (reasons.pop() if unmeasured else 0)
     return best
 
 
-def not_measured(batches: Sequence[int], contexts: Sequence[int]) -> dict[str, Any]:
-    return {fmt: {head: {str(c): {str(b): NOT_ON_CPU for b in batches} for c in contexts} for head in HEADS}
-            for fmt in FORMATS}
+def not_measured(batches: Sequence[int], contexts: Sequence[int], why: str) -> dict[str, Any]:
+    return {fmt: {head: {str(c): {str(b): why for b in batches} for c in contexts} for head in HEADS} for fmt in FORMATS}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -267,10 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     started = time.perf_counter()
-    if on_gpu:
-        figures = measure_grid(Arch.orpheus_3b(), device, batches, contexts, args.cuda_graphs, args.replays)
-    else:
-        figures = not_measured(batches, contexts)
+    figures = not_measured(batches, contexts, "not measured: the run ended first" if on_gpu else NOT_ON_CPU)
     result: dict[str, Any] = {
         "benchmark": "llm_ceiling", "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         "torch": torch.__version__, "arch": asdict(Arch.orpheus_3b()), "cuda_graphs": args.cuda_graphs and on_gpu,
@@ -282,11 +284,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fp8": "linear layers and the head in e4m3 with per-tensor scales (torch._scaled_mm); KV cache and attention bf16",
         },
     }
-    if not on_gpu:  # the dry run: the same code on the tiny layout, eager, so that it cannot rot
+
+    def measured(grid: dict[str, Any]) -> None:  # each format as it is measured: a cut run keeps what it found
+        result["figures"], result["largest_realtime_batch"] = {**figures, **grid}, summarize({**figures, **grid})
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        write(args.out, result)
+
+    if on_gpu:
+        measure_grid(Arch.orpheus_3b(), device, batches, contexts, args.cuda_graphs, args.replays, measured)
+    else:  # the dry run: the same code on the tiny layout, eager, so that it cannot rot
         tiny = Arch.tiny()
         result["dry_run"] = {"arch": asdict(tiny), "figures": measure_grid(tiny, device, (1, 3), (8,), False, 2)}
     result["seconds"] = round(time.perf_counter() - started, 1)
+    write(args.out, result)
     return result
+
+
+def write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -303,8 +319,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["largest_realtime_batch"]))
     print(f"wrote {args.out} ({result['seconds']} s)")
     return result

@@ -101,9 +101,9 @@ def test_first_contact_installs_the_kit_privately_and_prints_the_versions(first_
 def test_the_program_runs_every_part_and_says_so(program):
     ran, out = program
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and list(summary["parts"]) == ["first-contact", "llm-ceiling"]
+    assert summary["ok"] and list(summary["parts"]) == ["first-contact", "snac-replicas", "llm-ceiling"]
     assert all(p["exit_status"] == 0 and 0 < p["seconds"] < p["limit_s"] for p in summary["parts"].values())
-    assert {"first-contact/doctor.json", "llm-ceiling.json", "first-contact.log"} <= set(summary["files"])
+    assert {"first-contact/doctor.json", "snac-replicas.json", "llm-ceiling.json", "first-contact.log"} <= set(summary["files"])
     assert "llm-ceiling: exit status 0" in ran.stdout
 
 
@@ -121,6 +121,20 @@ def test_the_llm_ceiling_names_every_gpu_figure_and_runs_its_code_on_a_tiny_mode
     timed = [f for heads in tiny.values() for contexts in heads.values() for batches in contexts.values()
              for f in batches.values()]
     assert len(timed) == 2 * 2 * 2 and all(f["step_ms"] > 0 and f["bytes_read_gb"] >= 0 for f in timed), tiny
+
+
+def test_the_replicas_benchmark_names_the_megapods_layout_and_drives_real_replicas(program):
+    """On a GPU: 1 and 3 replicas; here the same processes (snac-server started as a pod starts it, client processes
+    of their own) on the small codec, 1 and 2 replicas, 2 streams."""
+    _, out = program
+    replicas = json.loads((out / "snac-replicas.json").read_text())
+    assert replicas["figures"] == {"1": "not measured: cpu", "3": "not measured: cpu"}
+    assert replicas["megapod_streams"] == 1750 and replicas["mps"].startswith("not measured")
+    for n, layout in replicas["dry_run"].items():
+        (level,) = layout["levels"]
+        assert layout["replicas"] == int(n) and level["streams"] == 2 and level["complete_streams"] == 2, layout
+        assert level["holds"] and layout["realtime_streams"] == 2 and level["first_audio_p50_s"] > 0
+    assert sorted(replicas["dry_run"]) == ["1", "2"]
 
 
 def test_the_codec_only_doctor_passes_and_writes_every_field(first_contact):
