@@ -606,6 +606,12 @@ def test_what_compiles_at_start_is_kept_on_the_cache_claim_not_in_home(render: s
     for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
         path = env(worker).get(name)
         assert path and Path(path).is_relative_to(cache["mountPath"]) and not Path(path).is_relative_to(home), name
+    # The codec replicas compile their streaming step on a GPU (issue 45): theirs too.
+    replica = next(o for o in rendered(render) if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-snac"))
+    (mount,) = [m for m in container(replica)["volumeMounts"] if m["name"] == "cache"]
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        path = env(replica).get(name)
+        assert path and Path(path).is_relative_to(mount["mountPath"]) and not Path(path).is_relative_to(env(replica)["HOME"]), name
 
 
 def test_model_from_a_volume_claim() -> None:
