@@ -10,7 +10,7 @@ holds when at most 1 % of its streams had a gap longer than 100 ms (SGLang-Omni'
 all its audio; the levels run in order and stop at the first that does not hold. The MegaPod's total is 7 LLM
 GPUs x 250 streams: 1,750.
 
-    python benchmarks/snac_replicas.py --out OUT.json                      # a GPU: 1 and 3 replicas, fp32
+    python benchmarks/snac_replicas.py --out OUT.json                      # a GPU: 3 replicas, then 1, fp32
     python benchmarks/snac_replicas.py --device cpu --out OUT.json         # the dry run: tiny levels, the small codec
 
 On a CPU it is a dry run (the small codec, 1 and 2 replicas, 2 streams for 2 s) and the GPU figures are named and
@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,7 @@ def replicas(n: int, args: argparse.Namespace, logs: Path):
             proc.terminate()
         for proc, log in procs:
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=5)  # no stream is left: a replica's drain has nothing to wait for
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
@@ -175,16 +175,20 @@ def level(addresses: list[str], streams: int, args: argparse.Namespace) -> dict[
             "errors": [r["error"] for r in found if "error" in r][:3]}
 
 
-def layout(n: int, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    """Levels in order through n replicas, until one does not hold."""
+def layout(n: int, args: argparse.Namespace, logs: Path, measured: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Levels in order through n replicas, until one does not hold; `measured` called after the start and each level."""
+    found: dict[str, Any] = {"replicas": n, "start_s": None, "levels": [], "realtime_streams": 0}
     with replicas(n, args, logs) as (addresses, start_s):
-        levels = []
+        found["start_s"] = start_s
+        measured(found)
         for streams in args.levels:
-            levels.append(level(addresses, streams, args))
-            if not levels[-1]["holds"]:
+            found["levels"].append(level(addresses, streams, args))
+            held = [lv["streams"] for lv in found["levels"] if lv["holds"]]
+            found["realtime_streams"] = max(held) if held else 0
+            measured(found)
+            if not found["levels"][-1]["holds"]:
                 break
-    held = [lv["streams"] for lv in levels if lv["holds"]]
-    return {"replicas": n, "start_s": start_s, "levels": levels, "realtime_streams": max(held) if held else 0}
+    return found
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = args.out.parent / (args.out.stem + "-logs")  # each replica's log
     logs.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    figures: dict[str, Any] = {str(n): NOT_ON_CPU for n in (args.replicas if on_gpu else GPU_REPLICAS)}
+    why = "not measured: the run ended first" if on_gpu else NOT_ON_CPU
+    figures: dict[str, Any] = {str(n): why for n in (args.replicas if on_gpu else GPU_REPLICAS)}
     result: dict[str, Any] = {
         "benchmark": "snac_replicas", "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
         "model": args.model, "dtype": args.dtype, "max_batch": args.max_batch, "compile_step": args.compile_step,
@@ -205,9 +210,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     measured = figures if on_gpu else result.setdefault("dry_run", {})  # the dry run: the same processes, tiny
     for n in args.replicas:
-        measured[str(n)] = layout(n, args, logs)
-        result["wall_s"] = round(time.perf_counter() - started, 1)
-        write(args.out, result)  # each layout as it is measured: a part cut by its time limit keeps what it found
+
+        def progress(found: dict[str, Any], n: int = n) -> None:  # each level as it ends: a cut run keeps them
+            measured[str(n)] = found
+            result["wall_s"] = round(time.perf_counter() - started, 1)
+            write(args.out, result)
+
+        layout(n, args, logs, progress)
     return result
 
 
@@ -219,9 +228,9 @@ def write(out: Path, result: dict[str, Any]) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (a dry run)")
-    p.add_argument("--replicas", default=None, help="replica counts to compare (GPU: 1,3; CPU: 1,2)")
+    p.add_argument("--replicas", default=None, help="replica counts to compare, in order (GPU: 3,1; CPU: 1,2)")
     p.add_argument("--levels", default=None, help="total streams, in order (GPU: 250,500,1000,1750,2500; CPU: 2)")
-    p.add_argument("--seconds", type=float, default=None, help="audio a stream sends (GPU: 8; CPU: 2)")
+    p.add_argument("--seconds", type=float, default=None, help="audio a stream sends (GPU: 6; CPU: 2)")
     p.add_argument("--pace", type=float, default=1.0, help="frames sent and listened to at this x real time")
     p.add_argument("--clients", type=int, default=8, help="client processes")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
@@ -238,9 +247,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     else:
         args.device_resolved = args.device
     gpu = args.device_resolved.startswith("cuda")
-    args.replicas = [int(x) for x in (args.replicas or ("1,3" if gpu else "1,2")).split(",")]
+    # 3 first on a GPU: the MegaPod's layout is the figure a run cut by its time limit must not lose.
+    args.replicas = [int(x) for x in (args.replicas or ("3,1" if gpu else "1,2")).split(",")]
     args.levels = [int(x) for x in (args.levels or (",".join(map(str, GPU_LEVELS)) if gpu else "2")).split(",")]
-    args.seconds = args.seconds or (8.0 if gpu else 2.0)
+    args.seconds = args.seconds or (6.0 if gpu else 2.0)
     args.model = args.model or ("random-24khz" if gpu else "random-24khz-small")
     if not gpu:
         args.max_batch, args.clients = min(args.max_batch, 8), 1

@@ -6,7 +6,8 @@ decoder is hundreds of small kernels: launches, not FLOPs, bound it); a batch is
 next captured size, its padding rows pointed at the streaming decoder's scratch slot. The host
 stages each forward's inputs in pinned memory, copies them in without blocking, and copies the PCM
 back into pinned memory without blocking too: a step's next forward is staged and launched before the
-host waits for the last one's PCM and hands it out, so host work and GPU work overlap.
+host waits for the last one's PCM and hands it out, so host work and GPU work overlap (on a CPU, where a
+forward is done when it returns, each forward's PCM goes out at once).
 
 The streaming step may be compiled (torch.compile, Inductor: the Snake activations, masks, noise and
 residual adds fuse around the convolutions; benchmarks/README.md). Its batch and frame dimensions are
@@ -126,7 +127,7 @@ class DecoderRunner:
             try:
                 return self._warm_up()
             except Exception:
-                log.exception("the compiled streaming step failed at warm-up: the eager step serves")
+                log.exception("warm-up with the compiled streaming step failed: warming up again with the eager step")
                 self.compiled, self._step = False, self.streaming
                 self._graphs.clear()
                 self._ladders = self.graph_ladders()
@@ -162,8 +163,8 @@ class DecoderRunner:
 
     def decode(self, rows: list[Row], publish: Publish) -> None:
         """Decode `rows`, one forward per shape group (split to rows_per_forward); after each forward,
-        `publish(indices, pcms)` hands those rows' float32 PCM back, once the next forward is launched (the last at
-        the end). Raises what a forward raised, after handing back the forwards before it."""
+        `publish(indices, pcms)` hands those rows' float32 PCM back: on a GPU once the next forward is launched (the
+        last at the end), on a CPU at once. Raises what a forward raised, after handing back the forwards before it."""
         groups: dict[tuple[str, int], list[int]] = defaultdict(list)
         for i, row in enumerate(rows):
             groups[("step", len(row.codes)) if isinstance(row, StreamStep) else ("window", len(row.frames))].append(i)
@@ -175,11 +176,14 @@ class DecoderRunner:
                     part = idx[lo : lo + step]
                     audio = self._forward(kind, n, self._stage(kind, [rows[i] for i in part]))
                     pending.append((part, *self._to_host(audio)))
-                    if len(pending) > 1:  # while this forward runs on the GPU: the last one's PCM out
-                        self._hand_back(pending.popleft(), publish)
+                    # A GPU's forward runs on while the last one's PCM goes out; a CPU's is done: out at once.
+                    while len(pending) > 1 or (pending and pending[0][2] is None):
+                        self._hand_back(pending[0], publish)
+                        pending.popleft()  # only once handed back: rows whose hand-back raised fail with the step
         finally:  # the forwards that ran are handed back, even when a later one raised
             while pending:
-                self._hand_back(pending.popleft(), publish)
+                self._hand_back(pending[0], publish)
+                pending.popleft()
 
     def _to_host(self, audio: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The forward's PCM copied to pinned host memory without waiting, and an event after the copy (a GPU's);

@@ -13,8 +13,8 @@ raises is a failed check, the rest still run):
   torch.cuda.set_sync_debug_mode("error"), which also sees the syncs inside C++ ops;
 - steps timed at batch 1, 2, 4 ... max_batch for the streaming decoder (1 frame per stream) and the
   reference decoder (one 4-frame window per frame), in fp32 (and the eager step beside the compiled one),
-  fp16 and bf16 (with their SNR to fp32), and the precision a replica should run: the fastest whose SNR
-  to fp32 is at least SERVE_SNR_DB;
+  fp16 and bf16 with the eager step (with their SNR to fp32), and the precision a replica should run: the
+  fastest, eager against eager, whose SNR to fp32 is at least SERVE_SNR_DB;
 - a gRPC replica with snac-server's defaults on the device serving concurrent streams, each equal
   to a full decode.
 """
@@ -284,14 +284,15 @@ def replica_serves(device: str, streams: int, quick: bool, model: str) -> dict[s
 
 
 def half_precision(device: str, dtype: str, max_batch: int, repeats: int, model: str) -> dict[str, object]:
-    """fp16's or bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows)."""
-    runner = _runner(device, dtype, max_batch, (1,), model)
+    """fp16's or bf16's SNR to fp32; on a GPU its speed, on graphs of the timed shapes only (1-frame steps, windows),
+    with the eager step: compared with fp32's eager step (a compile per precision would take minutes of the doctor)."""
+    runner = _runner(device, dtype, max_batch, (1,), model, compile_step=False)
     found: dict[str, object] = {"snr_db_to_fp32": round(runner.full.snr_db, 1)}
     if not runner.use_graphs:  # CPUs without bf16 units emulate it (~40x slower here): a figure of no use to anyone
         return {**found, "speed": NOT_ON_CPU}
     runner.bind_thread()
     runner.warm_up()
-    return {**found, "compiled_step": runner.compiled, **speed(runner, repeats)}
+    return {**found, **speed(runner, repeats)}
 
 
 def eager_speed(device: str, max_batch: int, repeats: int, model: str) -> dict[str, object]:
@@ -305,10 +306,10 @@ def eager_speed(device: str, max_batch: int, repeats: int, model: str) -> dict[s
 
 
 def chosen_precision(figures: dict[str, object]) -> dict[str, object]:
-    """The fastest precision whose SNR to fp32 is at least SERVE_SNR_DB, by its streaming real-time streams
-    (fp32 where no half precision was timed: a CPU's, or one whose timing failed)."""
+    """The fastest precision whose SNR to fp32 is at least SERVE_SNR_DB, by its streaming real-time streams with the
+    eager step, like against like (fp32 where no half precision was timed: a CPU's, or one whose timing failed)."""
     def streams(dtype: str) -> float:
-        found = figures.get(dtype, {})
+        found = figures.get("float32_eager" if dtype == "float32" else dtype, {})
         return found.get("streaming", {}).get("realtime_streams", 0.0) if isinstance(found, dict) else 0.0
 
     fit = ["float32"] + [d for d in HALF_PRECISIONS if figures.get(d, {}).get("snr_db_to_fp32", 0) >= SERVE_SNR_DB]

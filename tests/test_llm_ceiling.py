@@ -19,7 +19,10 @@ def test_fp8_linear_is_bf16_within_fp8s_precision(out_features):
     torch.manual_seed(0)
     weight = torch.randn(out_features, 128, dtype=torch.bfloat16) / 128**0.5
     x = torch.randn(3, 128, dtype=torch.bfloat16)
-    exact, fp8 = Linear(weight, fp8=False)(x).float(), Linear(weight, fp8=True)(x).float()
+    quantized = Linear(weight, fp8=True)
+    b = quantized.weight.t()  # cuBLASLt's B: column-major, its dimensions multiples of 16 (unchecked on a CPU)
+    assert b.stride(0) == 1 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
+    exact, fp8 = Linear(weight, fp8=False)(x).float(), quantized(x).float()
     assert fp8.shape == exact.shape == (3, out_features)
     error = (fp8 - exact).norm() / exact.norm()
     assert 0 < error < 0.1, error  # e4m3 keeps 3 mantissa bits: a few per cent, not zero (it did quantize)

@@ -244,9 +244,19 @@ async def test_a_row_without_a_due_time_is_due_when_it_came_and_one_of_a_frame_e
     assert runner.steps == [[0], list(range(1, 17)), list(range(17, 21))]  # arrival order, 16 frames a step
 
 
-def test_each_forwards_pcm_is_handed_back_once_the_next_forward_is_launched(decoder, streaming):
+class CopyDone:
+    """A test double of the CUDA event recorded after a forward's PCM copy: it notes when the host waits on it."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        self.events.append(("waited", None))
+
+
+def test_a_gpus_forward_is_handed_back_once_the_next_forward_is_launched(decoder, streaming):
     """Host work beside the GPU's (issue 45): a step's next forward is staged and launched before the host waits
-    for the last one's PCM and hands it out; the last forward's at the end."""
+    for the last one's PCM and hands it out; the last forward's at the end. (A GPU's path, its event a double.)"""
     runner = runner_of(decoder, streaming, max_step_frames=8)  # 2 rows of 4 frames a forward
     events: list[tuple[str, object]] = []
     launch = runner._forward
@@ -256,8 +266,20 @@ def test_each_forwards_pcm_is_handed_back_once_the_next_forward_is_launched(deco
         return launch(kind, n, args)
 
     runner._forward = logged
+    runner._to_host = lambda audio: (audio, CopyDone(events))
     runner.decode(steps(5, 4), lambda part, pcms: events.append(("handed back", list(part))))
-    assert events == [("forward", 2), ("forward", 2), ("handed back", [0, 1]), ("forward", 1), ("handed back", [2, 3]),
+    assert events == [("forward", 2), ("forward", 2), ("waited", None), ("handed back", [0, 1]), ("forward", 1),
+                      ("waited", None), ("handed back", [2, 3]), ("waited", None), ("handed back", [4])]
+
+
+def test_a_cpus_forward_is_handed_back_at_once(decoder, streaming):
+    """A CPU's forward is done when it returns: holding its rows for the next forward would only delay them."""
+    runner = runner_of(decoder, streaming, max_step_frames=8)
+    events: list[tuple[str, object]] = []
+    launch = runner._forward
+    runner._forward = lambda kind, n, args: events.append(("forward", args[0].shape[0])) or launch(kind, n, args)
+    runner.decode(steps(5, 4), lambda part, pcms: events.append(("handed back", list(part))))
+    assert events == [("forward", 2), ("handed back", [0, 1]), ("forward", 2), ("handed back", [2, 3]), ("forward", 1),
                       ("handed back", [4])]
 
 

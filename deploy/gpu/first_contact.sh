@@ -30,7 +30,7 @@ PY
 } 2>&1 | tee "$out/versions.txt"
 
 status=0
-timeout "${MEGAPOD_DOCTOR_TIMEOUT_S:-330}" "$python" -m megapod.doctor --codec-only -o "$out/doctor.json" "$@" \
+timeout -k 5 "${MEGAPOD_DOCTOR_TIMEOUT_S:-330}" "$python" -m megapod.doctor --codec-only -o "$out/doctor.json" "$@" \
   >"$out/doctor.log" 2>&1 || status=$?
 tail -n 40 "$out/doctor.log"
 echo "first contact: doctor exit status $status; $out/doctor.json, $out/doctor.log, $out/versions.txt"
