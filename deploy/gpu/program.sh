@@ -49,7 +49,7 @@ else
 fi
 doctor_s=${MEGAPOD_DOCTOR_TIMEOUT_S:-240}
 MEGAPOD_DOCTOR_TIMEOUT_S=$doctor_s part first-contact $((doctor_s + 15)) "$repo/deploy/gpu/first_contact.sh" \
-  "$out/first-contact" "${doctor_flags[@]}"
+  "$out/first-contact" ${doctor_flags[@]+"${doctor_flags[@]}"}  # (an empty array under set -u: bash < 4.4)
 # The benchmarks import the codec's packages (snac, grpcio): the kit's folder, as first_contact.sh installs it.
 # shellcheck source=deploy/gpu/kit_site.sh
 source "$repo/deploy/gpu/kit_site.sh"
