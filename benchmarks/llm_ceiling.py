@@ -34,10 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-ORPHEUS_3B = ROOT / "llm_server" / "engine" / "orpheus-3b-config.json"
-REALTIME_TOKENS_PER_S = 7 * 24000 / 2048  # 82.03: one stream at real time (7 codes a 2048-sample frame)
-AUDIO_IDS = 7 * 4096  # the audio head's rows
+from benchmarks.provenance import record, write_result
+from llm_server.capacity import REALTIME_TOKENS_PER_S
+from llm_server.engine.audio_tokens import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, CODES_PER_FRAME
+from llm_server.engine.model_source import ORPHEUS_3B_CONFIG
+
+AUDIO_IDS = CODES_PER_FRAME * CODEBOOK_SIZE  # the audio head's rows, from AUDIO_TOKEN_BASE on
 NOT_ON_CPU = "not measured: cpu"
 BATCHES = (1, 8, 32, 64, 128, 256, 384, 512)
 CONTEXTS = (300, 600, 1200)  # a sentence's prompt plus its audio so far
@@ -58,19 +60,22 @@ class Arch:
     intermediate: int
     vocab: int
     audio_ids: int
+    audio_base: int  # the first audio id
     eps: float = 1e-5
     rope_theta: float = 500000.0
 
     @classmethod
     def orpheus_3b(cls) -> Arch:
-        c = json.loads(ORPHEUS_3B.read_text())
+        c = json.loads(ORPHEUS_3B_CONFIG.read_text())
         return cls(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
-                   c["head_dim"], c["intermediate_size"], c["vocab_size"], AUDIO_IDS, c["rms_norm_eps"], c["rope_theta"])
+                   c["head_dim"], c["intermediate_size"], c["vocab_size"], AUDIO_IDS, AUDIO_TOKEN_BASE,
+                   c["rms_norm_eps"], c["rope_theta"])
 
     @classmethod
     def tiny(cls) -> Arch:
         """The same layout at a CPU's size (the dry run)."""
-        return cls(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=2054, audio_ids=512)
+        return cls(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=2054, audio_ids=512,
+                   audio_base=1540)
 
     def kv_bytes_per_token(self, element: int = 2) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * element
@@ -124,7 +129,8 @@ class Weights:
                             norm2=torch.ones(a.hidden, device=device, dtype=torch.bfloat16)) for _ in range(a.layers)]
         self.norm = torch.ones(a.hidden, device=device, dtype=torch.bfloat16)
         # Tied embeddings: the head is the embedding's rows (all of them, or the audio ids' contiguous block).
-        self.heads = {"full": Linear(self.embed, fp8), "audio": Linear(self.embed[-a.audio_ids:], fp8)}
+        self.heads = {"full": Linear(self.embed, fp8),
+                      "audio": Linear(self.embed[a.audio_base : a.audio_base + a.audio_ids], fp8)}
 
     def nbytes(self, head: str) -> int:
         """What a step reads of the weights: every linear layer and the head's rows."""
@@ -281,15 +287,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "definitions": {
             "pace": "tokens a second each row gets over 82.03 (real time); >= 1.0 keeps every row at real time",
             "gb_per_s": "weights + head rows + the whole KV cache, read once a step, over the step's time",
-            "audio head": f"the LM head over the {AUDIO_IDS} audio ids only (tied embeddings: the embedding's last rows)",
+            "audio head": f"the LM head over the {AUDIO_IDS} audio ids only (tied embeddings: the embedding's rows "
+                          f"{AUDIO_TOKEN_BASE}-{AUDIO_TOKEN_BASE + AUDIO_IDS - 1})",
             "fp8": "linear layers and the head in e4m3 with per-tensor scales (torch._scaled_mm); KV cache and attention bf16",
         },
+        "provenance": record(("torch",), args.argv),
     }
 
     def measured(grid: dict[str, Any]) -> None:  # each format as it is measured: a cut run keeps what it found
         result["figures"], result["largest_realtime_batch"] = {**figures, **grid}, summarize({**figures, **grid})
         result["seconds"] = round(time.perf_counter() - started, 1)
-        write(args.out, result)
+        write_result(args.out, result)
 
     if on_gpu:
         measure_grid(Arch.orpheus_3b(), device, batches, contexts, args.cuda_graphs, args.replays, measured)
@@ -297,13 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tiny = Arch.tiny()
         result["dry_run"] = {"arch": asdict(tiny), "figures": measure_grid(tiny, device, (1, 3), (8,), False, 2)}
     result["seconds"] = round(time.perf_counter() - started, 1)
-    write(args.out, result)
+    write_result(args.out, result)
     return result
-
-
-def write(out: Path, result: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -314,7 +317,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=REPLAYS)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--out", type=Path, required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

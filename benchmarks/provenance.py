@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -13,11 +14,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import psutil
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Variables that change a figure without changing the command: glibc's allocator (a CPU decoder's step time moved by
-# a fifth with MALLOC_MMAP_THRESHOLD_, benchmarks/README.md), OpenMP's and the libraries' threads, Inductor's caches.
+# Variables that change a figure without changing the command: glibc's allocator (a CPU decoder's audio-s/s moved by
+# a fifth to a third with MALLOC_MMAP_THRESHOLD_, benchmarks/README.md), OpenMP's and the libraries' threads, Inductor's caches.
 ENVIRONMENT_THAT_MATTERS = ("MALLOC_", "OMP_", "MKL_", "TORCH", "CUDA_VISIBLE")
 
 
@@ -41,7 +40,7 @@ def machine() -> dict[str, object]:
     except Exception:  # no torch, or a CUDA that cannot initialize: report no GPU rather than fail
         gpus = []
     return {"cpu": cpu_model(), "cores_usable": len(os.sched_getaffinity(0)),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpus": gpus, "platform": platform.platform()}
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "gpus": gpus, "platform": platform.platform()}
 
 
 def versions(packages: Iterable[str]) -> dict[str, str]:
@@ -82,5 +81,13 @@ def cpu_model() -> str:
 def machine_busy_s() -> float:
     """CPU seconds the whole machine has been busy (all cores, all processes): /proc/stat's first line
     less idle and iowait."""
+    import psutil  # here: record() runs on a bare GPU node too (deploy/gpu/program.sh), which has no psutil
+
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+
+def write_result(out: Path, result: dict[str, object]) -> None:
+    """A result's JSON at `out` (its folder made): a benchmark that writes as it goes calls this after each part."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")

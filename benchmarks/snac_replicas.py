@@ -27,19 +27,19 @@ import json
 import multiprocessing
 import queue
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-FRAME_S = 2048 / 24000
+from benchmarks.provenance import REPO_ROOT, record, write_result
+from codec_contract.audio import FRAME_SAMPLES, FRAME_SECONDS, SAMPLE_RATE
+from megapod.launcher import Child, free_ports
+
 GAP_S = 0.1  # a listener's gap that counts (SGLang-Omni's TTS benchmark passes a stream within 100 or 200 ms)
 HOLD_SHARE = 0.01  # a level holds with at most this share of streams gapped
 MEGAPOD_STREAMS = 7 * 250
@@ -48,55 +48,23 @@ GPU_REPLICAS = (1, 3)
 NOT_ON_CPU = "not measured: cpu"
 
 
-def _free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serving(port: int, timeout_s: float) -> None:
-    """Wait until the replica reports SERVING (warm-up done: graphs captured, the step compiled)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"replica on port {port} not SERVING within {timeout_s} s")
-
-
 @contextmanager
 def replicas(n: int, args: argparse.Namespace, logs: Path):
-    """n snac-server processes on the device, as pods start them; their addresses once all are SERVING."""
-    ports = [_free_port() for _ in range(n)]
-    procs = []
+    """n snac-server processes on the device, as pods start them; their addresses once all are SERVING, and the
+    seconds that took."""
+    children = []
     try:
-        for i, port in enumerate(ports):
+        for i, port in enumerate(free_ports(n)):
             argv = [sys.executable, "-m", "snac_server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
                     "--device", args.device_resolved, "--dtype", args.dtype, "--max-batch", str(args.max_batch),
                     "--model", args.model, "--max-streams", str(max(args.levels) + 16), "--compile-step", args.compile_step]
-            log = open(logs / f"replica-{n}-{i}.log", "w")
-            procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-        started = time.perf_counter()
-        for port in ports:
-            _serving(port, args.start_timeout_s)
-        yield [f"127.0.0.1:{p}" for p in ports], round(time.perf_counter() - started, 1)
+            children.append(Child(f"replica {i + 1} of {n}", argv, logs / f"replica-{n}-{i}.log",
+                                  ready_url=f"grpc://127.0.0.1:{port}", cwd=REPO_ROOT).start())
+        start_s = max(child.wait_ready(args.start_timeout_s) for child in children)
+        yield [f"127.0.0.1:{child.port}" for child in children], round(start_s, 1)
     finally:
-        for proc, log in procs:
-            proc.terminate()
-        for proc, log in procs:
-            try:
-                proc.wait(timeout=5)  # no stream is left: a replica's drain has nothing to wait for
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        for child in children:  # at once: no stream is left to drain, and a time limit's SIGTERM allows 5 s
+            child.stop(signal.SIGKILL)
 
 
 async def _one_stream(stub, seed: int, frames: int, pace: float) -> dict[str, float]:
@@ -111,7 +79,7 @@ async def _one_stream(stub, seed: int, frames: int, pace: float) -> dict[str, fl
     async def send():
         yield header_request(seed, "streaming", sample_format=codec_pb2.SAMPLE_FORMAT_S16LE, listener_pace=pace)
         for k, frame in enumerate(codes):  # frame k is due k frame-times after the start, as an LLM at `pace` makes it
-            await asyncio.sleep(max(0.0, started + k * FRAME_S / pace - time.monotonic()))
+            await asyncio.sleep(max(0.0, started + k * FRAME_SECONDS / pace - time.monotonic()))
             yield frames_request([frame])
         yield END_REQUEST
 
@@ -120,10 +88,10 @@ async def _one_stream(stub, seed: int, frames: int, pace: float) -> dict[str, fl
         now = time.monotonic()
         n = len(chunk.pcm) // 2
         first = now - started if first is None and n else first
-        playback.sent(now, n / 24000 / pace, text_at=started)  # a listener at the stream's pace (1.0: real time)
+        playback.sent(now, n / SAMPLE_RATE / pace, text_at=started)  # a listener at the stream's pace (1.0: real time)
         samples += n
     return {"first_audio_s": first if first is not None else float("inf"), "worst_gap_s": playback.worst_gap_s,
-            "complete": samples == frames * 2048}
+            "complete": samples == frames * FRAME_SAMPLES}
 
 
 async def _client(addresses: list[str], seeds: list[int], frames: int, pace: float) -> list[dict[str, float]]:
@@ -148,7 +116,7 @@ def _client_process(addresses: list[str], seeds: list[int], frames: int, pace: f
 
 def level(addresses: list[str], streams: int, args: argparse.Namespace) -> dict[str, Any]:
     """`streams` streams at once from `--clients` processes; what their listeners heard."""
-    frames = max(2, round(args.seconds / FRAME_S))
+    frames = max(2, round(args.seconds / FRAME_SECONDS))
     clients = max(1, min(args.clients, streams))
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -207,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "figures": figures, "mps": "not measured: needs the MPS control daemon (nvidia-cuda-mps-control) on the node",
         "definitions": {"holds": f"every stream got all its audio and at most {HOLD_SHARE:.0%} had a gap over {GAP_S} s",
                         "realtime_streams": "the largest level that held, through that many replicas on one device"},
+        "provenance": record(("torch", "snac", "grpcio"), args.argv),
     }
     measured = figures if on_gpu else result.setdefault("dry_run", {})  # the dry run: the same processes, tiny
     for n in args.replicas:
@@ -214,15 +183,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def progress(found: dict[str, Any], n: int = n) -> None:  # each level as it ends: a cut run keeps them
             measured[str(n)] = found
             result["wall_s"] = round(time.perf_counter() - started, 1)
-            write(args.out, result)
+            write_result(args.out, result)
 
         layout(n, args, logs, progress)
     return result
-
-
-def write(out: Path, result: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -240,6 +204,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    args.argv = argv
     if args.device == "auto":
         import torch
 

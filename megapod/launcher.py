@@ -27,7 +27,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
-import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .gpu_layout import plan_gpus
@@ -113,6 +112,8 @@ def probe(url: str) -> bool:
                 return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
+    import httpx  # here, not at the top: a bare GPU node has no httpx, and benchmarks/snac_replicas.py starts replicas there
+
     try:
         return httpx.get(url, timeout=2.0, trust_env=False).status_code == 200  # loopback: never via a proxy
     except httpx.HTTPError:

@@ -136,8 +136,8 @@ class DecoderRunner:
     def _warm_up(self) -> None:
         shapes = [("step", f) for f in self.frame_buckets] + [("window", REFERENCE_WINDOW)]
         if not self.use_graphs:
-            for kind, n in shapes:  # a compiled step: every graph its dynamic shapes need (see the module's text)
-                for batch in sorted({1, 2, self.rows_per_forward(n)}) if self.compiled and kind == "step" else (1,):
+            for kind, n in shapes:
+                for batch in self._warm_up_batches(kind, n):
                     self._forward(kind, n, self._example(kind, batch, n))
             return
         pool = torch.cuda.graph_pool_handle()
@@ -149,6 +149,11 @@ class DecoderRunner:
                 self._graphs[(kind, batch, n)] = _Graph(self._model(kind), inputs, pad, pool)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs", len(self._graphs))
+
+    def _warm_up_batches(self, kind: str, n: int) -> list[int]:
+        """The batch sizes a CPU runs a shape at before serving: 1, or for a compiled step every graph its dynamic
+        shapes need (a size of 1 is specialized: 1, 2 and the most rows a forward of `n` frames takes)."""
+        return sorted({1, 2, self.rows_per_forward(n)}) if self.compiled and kind == "step" else [1]
 
     def graph_ladders(self) -> dict[int, tuple[int, ...]]:
         """Frames per row (each bucket, and the reference window) -> the batch sizes to capture for it:
@@ -176,14 +181,9 @@ class DecoderRunner:
                     part = idx[lo : lo + step]
                     audio = self._forward(kind, n, self._stage(kind, [rows[i] for i in part]))
                     pending.append((part, *self._to_host(audio)))
-                    # A GPU's forward runs on while the last one's PCM goes out; a CPU's is done: out at once.
-                    while len(pending) > 1 or (pending and pending[0][2] is None):
-                        self._hand_back(pending[0], publish)
-                        pending.popleft()  # only once handed back: rows whose hand-back raised fail with the step
+                    self._hand_back(pending, publish, everything=False)
         finally:  # the forwards that ran are handed back, even when a later one raised
-            while pending:
-                self._hand_back(pending[0], publish)
-                pending.popleft()
+            self._hand_back(pending, publish, everything=True)
 
     def _to_host(self, audio: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The forward's PCM copied to pinned host memory without waiting, and an event after the copy (a GPU's);
@@ -198,11 +198,16 @@ class DecoderRunner:
         return host, done
 
     @staticmethod
-    def _hand_back(forward: tuple[list[int], torch.Tensor, torch.cuda.Event | None], publish: Publish) -> None:
-        part, host, done = forward
-        if done is not None:
-            done.synchronize()  # the host's one wait for this forward: its PCM is here
-        publish(part, list(host.numpy()))
+    def _hand_back(pending: deque[tuple[list[int], torch.Tensor, torch.cuda.Event | None]], publish: Publish,
+                   everything: bool) -> None:
+        """Publish the forwards in `pending` in order: all of them, or all but a GPU's last, which runs on meanwhile
+        (a CPU's forward, without an event, is done: out at once)."""
+        while pending and (everything or len(pending) > 1 or pending[0][2] is None):
+            part, host, done = pending[0]
+            if done is not None:
+                done.synchronize()  # the host's one wait for this forward: its PCM is here
+            publish(part, list(host.numpy()))
+            pending.popleft()  # only once handed back: rows whose hand-back raised fail with the step
 
     def _model(self, kind: str) -> Callable[..., torch.Tensor]:
         return self._step if kind == "step" else self.full
