@@ -3,7 +3,8 @@
 The limit is measured, not configured (capacity.py): it follows the pace the engine keeps for the
 streams it holds, between a floor and a ceiling (`min_streams`, `max_streams`). Past it a request waits
 in a short FIFO queue, at most `wait_s` (a few hundred ms on a GPU) and at most as many waiting as the
-limit admits, then is refused (HTTP 429 with Retry-After): a slot that frees goes to the longest waiting,
+limit admits (as the ceiling admits while the limit is in its slow start: a cold worker's first burst is
+no sign of overload), then is refused (HTTP 429 with Retry-After): a slot that frees goes to the longest waiting,
 not to whoever knocks first (a closed-loop client ending one stream asks again at once and would keep
 its slot forever, refused clients never getting one). Never more streams than the limit: slowing every
 stream to fit one more breaks all. An API key name may have a cap of its own, on top of the worker's
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from .capacity import CapacityLimit, PaceMeter, Window
+from .capacity import CapacityLimit, ListenerWindow, Listeners, PaceMeter, Window
 
 CAPACITY = "capacity"
 KEY = "key"
@@ -24,9 +25,12 @@ KEY = "key"
 class AdmissionController:
     """Counts active streams against the capacity limit (and per key name); not thread-safe (one event loop)."""
 
-    def __init__(self, limit: CapacityLimit, meter: PaceMeter) -> None:
+    def __init__(self, limit: CapacityLimit, meter: PaceMeter, listeners: Listeners | None = None) -> None:
         self.limit = limit
         self.meter = meter
+        # The admitted streams, as their listeners at the target pace hear them (capacity.Listeners).
+        self.listeners = Listeners() if listeners is None else listeners
+        self.heard = ListenerWindow(self.listeners.allowed_s)  # what they showed over the last window
         self.active = 0
         self.active_per_key: dict[str, int] = {}  # admitted and waiting, per key name
         self._peak = 0  # the most streams admitted at once this window
@@ -60,9 +64,10 @@ class AdmissionController:
 
     async def enter(self, key: str | None = None, key_limit: int = 0, wait_s: float = 0.0) -> str | None:
         """admit(), waiting up to `wait_s` in the queue for a slot when none is free (and the queue is
-        shorter than the limit); None when admitted, else which limit refused."""
+        shorter than the limit, or the ceiling in the slow start); None when admitted, else which limit refused."""
         refused = self.admit(key, key_limit)
-        if refused != CAPACITY or wait_s <= 0 or len(self._queue) >= self.limit.streams:
+        room = max(self.limit.streams, self.limit.ceiling - self.active) if self.limit.slow_start else self.limit.streams
+        if refused != CAPACITY or wait_s <= 0 or len(self._queue) >= room:
             return refused
         slot = asyncio.get_running_loop().create_future()
         self._queue.append(slot)
@@ -117,9 +122,15 @@ class AdmissionController:
         if not self.limit.enough(self.meter.decoded_s(now), self.meter.decoded_tokens):
             if not self.meter.decoding_now:
                 self.limit.idle()
+            if self._queue and self.limit.grow_queued():
+                self._hand_out()
             return None
         window = self.meter.take(now)
-        self.limit.update(window, self._peak, self.active)
+        before = self.limit.limit
+        self.heard = self.listeners.take(now)
+        self.limit.update(window, self._peak, self.active, self.heard)
+        if self.limit.limit < before:
+            self.listeners.cut()
         self._peak = self.active
         self._hand_out()  # the limit may have grown
         return window

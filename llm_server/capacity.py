@@ -1,4 +1,5 @@
-"""How many streams this worker keeps in real time, measured: the admission limit follows the engine's pace.
+"""How many streams this worker keeps in real time, measured: the admission limit follows the engine's pace and
+what each admitted stream's listener hears.
 
 A stream is real time while its engine request gets REALTIME_TOKENS_PER_S tokens a second (7 tokens a
 frame, 24000/2048 frames a second: a decode step every 12.2 ms). PaceMeter integrates, over a window,
@@ -14,22 +15,19 @@ window it moves the limit by the ratio of the measured pace to the target pace,
 
 growing only while the limit is in use (the admitted streams reached it), shrinking to at most half.
 Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
-cold start the capacity is a few windows away) until the limit is first cut, then at most sqrt(limit) at a
-time above where it was cut, each once the streams the last growth admitted have shown their cost
-(SETTLE_S_AT_REALTIME): the pace cannot see every bottleneck (a codec tier sharing the cores).
+cold start the capacity is a few windows away) until the limit is first cut, then one stream at a time,
+each once the streams the last growth admitted have shown their cost (LISTENER_QUIET_S, below).
 
 Where a step's time is a fixed part plus a part per stream (a GPU's: the weights are read once a step,
 each stream's KV cache once), that estimate lies between the current batch and the batch that runs at
 the target pace: the limit approaches it from either side without overshooting (tests/test_capacity.py
-holds this on such curves). The codec tier's headroom counts too: a codec stream failing over (a
-replica refusing, stalling or gone) shrinks the limit by CODEC_BACKOFF; CodecWindow's judgment that the codec
-delivered its owed audio slower than the target pace over enough of it (a replica that cannot keep up, its
-streams' waits counted as they run; not a few late chunks in a burst) shrinks it by the same gradient as the
-engine's: to the streams sharing the codec x its pace / (target x CODEC_HEADROOM) (a codec shared by the streams
-it owes gives each its throughput over their number; at most halving, at least CODEC_BACKOFF of those streams);
-either at most once a window, then no growth for CODEC_HOLD_WINDOWS. That judged figure also bounds growth: no more than
-the streams the codec keeps at the target (an engine with headroom beside a codec without used to grow the
-limit to 2-3x what the codec kept). The limit stays within [floor, ceiling].
+holds this on such curves). The engine's pace cannot see every bottleneck (a codec tier sharing the cores,
+a replica behind); each admitted stream's listener at the target pace can (Listeners): a stream whose
+listener waited past its allowance (LISTENER_LAG_S unless configured) is behind, and the limit is cut by
+LISTENER_BACKOFF of the streams its window admitted, once for the streams admitted past it; past the slow
+start it grows only after LISTENER_QUIET_S of audio in which no listener waited. A codec stream failing
+over (a replica refusing, stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for
+HOLD_WINDOWS. The limit stays within [floor, ceiling].
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -48,25 +47,32 @@ REALTIME_TOKENS_PER_S = CODES_PER_FRAME * SAMPLE_RATE / FRAME_SAMPLES  # 82.03: 
 # Why the limit moved (CapacityLimit.reason, orpheus_capacity_limit_changes_total{reason}, a log line each time):
 SLOW = "pace_below_target"  # the streams decoding got less than the target pace
 GROWTH = "growth"  # the limit was in use and the pace had room for more
-CODEC_LATE = "codec_late"  # the codec delivered owed audio slower than the target pace, over enough chunks
 CODEC_FAILOVER = "codec_failover"  # a codec stream failed over (a replica refused, stalled or went away)
-REASONS = (SLOW, GROWTH, CODEC_LATE, CODEC_FAILOVER)
+LISTENER_BEHIND = "listener_behind"  # a stream's listener at the target pace waited past LISTENER_LAG_S
+REASONS = (SLOW, GROWTH, CODEC_FAILOVER, LISTENER_BEHIND)
 CODEC_BACKOFF = 0.9
-# The codec's owed audio is judged against the target pace x this: it comes in rounds (a chunk of every stream per
-# batch), so a codec just at the target pace on average leaves streams waiting a round for their next chunk, past a
-# listener's buffer. Measured beside CPU replicas (benchmarks/README.md, concurrency.py --admission run 7): the limit
-# held at the streams the codec kept at 1.0x the target (12-18), where the listener's pinned search kept 9.
-CODEC_HEADROOM = 1.5
-CODEC_HOLD_WINDOWS = 5  # after a codec backoff the limit does not grow for this many windows
-# Past the slow start, a growth is not followed by another until the streams it admitted have shown what they cost
-# (prompts decoded, their audio at the codec): about a new stream's time to first audio, 0.3 s at real time,
-# divided by the target pace (3 s in a CPU's slow motion, where a window of fast streams closes each second).
-SETTLE_S_AT_REALTIME = 0.3
+HOLD_WINDOWS = 5  # after a cut for a failover or a stream behind, the limit does not grow for this many windows
 # A window ends only once its streams got this many tokens (about 24 deliveries of 7), or decoded as long
 # as that takes at the target pace: fewer say too little about the pace, and one delivery more or less would
 # move the limit. An engine far ahead of the target (a cold start's few streams) gets there in a fraction
 # of the time (a CPU's slow-motion target would otherwise take ten times longer in stream-seconds).
 WINDOW_TOKENS = 170
+# Each admitted stream has a listener at the target pace with no playout buffer (speech/playback.py), waiting from its
+# text until its first audio (less FIRST_AUDIO_S: a prompt's prefill and the codec's first chunk) and whenever it has
+# played all it was sent while audio is owed; its lag is those waits summed, in audio seconds. A stream whose lag
+# passes LISTENER_LAG_S (listener_lag_s's default) is behind, once: two thirds of the 0.3 s playout buffer that
+# benchmarks/concurrency.py gives a real-time listener (and a first audio 0.5 s after the text, its time-to-first-audio
+# target), so the limit is cut while the streams it admitted still play on. The limit grows only through windows in
+# which no stream fell behind and none was still waiting past half that: the capacity is where streams start to wait.
+LISTENER_LAG_S = 0.2
+FIRST_AUDIO_S = 0.3
+LISTENER_BACKOFF = 0.9  # a cut for streams behind takes this much off the streams admitted in its window
+# Past the slow start, the limit grows by one stream only after this much audio time (at the target pace) in which no
+# listener waited at all since the last growth: the streams a growth admitted must show their cost (prompts decoded,
+# their audio at the codec), and a CPU replica delivers each stream's audio in rows of 16 frames (1.37 s), so windows
+# between rows show no waiting though the streams are near the edge (the limit climbed 27 -> 41 in windows that
+# showed none before the first stream fell behind, benchmark run 14; 20 -> 28 in 24 s with a growth every 3 s, run 15).
+LISTENER_QUIET_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -163,45 +169,76 @@ class PaceMeter:
 
 
 @dataclass
-class CodecWindow:
-    """What the codec tier did since its last judgment (CodecClient's counts, differenced): failovers, and the
-    chunks of owed audio with their audio (a frame's allowance each) and the waits for owed audio (those still
-    waiting counted up to now, those that ended in a failover too: a stalled replica shows as it stalls)."""
+class ListenerWindow:
+    """What the admitted streams' listeners at the target pace showed over one window (Listeners.take)."""
 
-    failovers: int = 0
-    chunks: int = 0
-    late: int = 0  # chunks slower than the target pace on their own (a metric; the judgment is the pace)
-    audio_s: float = 0.0
-    wait_s: float = 0.0
+    allowed_s: float = LISTENER_LAG_S  # the lag a stream may reach before it is behind (0: never judged)
+    behind: int = 0  # streams whose lag passed allowed_s in it (each stream once in its life)
+    behind_since_cut: int = 0  # of them, streams admitted since the limit was last cut
+    waiting_lag_s: float = 0.0  # the most lag of a stream whose lag grew in it (one still waiting, or that waited)
 
     @property
-    def pace(self) -> float | None:
-        """Owed audio over the waits for it: the pace the codec kept while streams waited on it."""
-        return self.audio_s / self.wait_s if self.wait_s > 0 else None
+    def settled(self) -> bool:
+        """No stream fell behind, and none that waited in it had waited past half of allowed_s."""
+        return not self.allowed_s or (not self.behind and self.waiting_lag_s <= self.allowed_s / 2)
 
-    def enough(self, target_pace: float, judge_chunks: int) -> bool:
-        """Whether the pace can be judged: `judge_chunks` chunks came (0: never judged), or streams waited as long
-        as that many frames' audio takes at the target pace (a codec too slow to deliver many chunks)."""
-        return judge_chunks > 0 and (self.chunks >= judge_chunks or
-                                     self.wait_s * target_pace >= judge_chunks * FRAME_SAMPLES / SAMPLE_RATE)
 
-    def trouble(self, target_pace: float, judge_chunks: int) -> str | None:
-        """CODEC_FAILOVER after a failover; CODEC_LATE once enough() says so and the owed audio came, together,
-        slower than `target_pace`: a replica that cannot keep up, where one burst's late chunks are made up
-        by the rest; None otherwise (and while too little came to say: the counts go on adding up)."""
-        if self.failovers:
-            return CODEC_FAILOVER
-        if self.enough(target_pace, judge_chunks) and self.pace is not None and self.pace < target_pace:
-            return CODEC_LATE
-        return None
+class Heard(Protocol):
+    """An admitted stream as its listener at the target pace hears it (SpeechSession)."""
 
-    def judged(self, target_pace: float, judge_chunks: int) -> bool:
-        """Whether this window's counts were judged (a failover, or enough): the next one starts anew."""
-        return bool(self.failovers) or self.enough(target_pace, judge_chunks) or not judge_chunks
+    def listener_lag_s(self, now: float) -> float:
+        """Audio seconds its listener has waited by `now`, past what a stream is allowed (FIRST_AUDIO_S)."""
+        ...
 
-    def __sub__(self, other: CodecWindow) -> CodecWindow:
-        return CodecWindow(self.failovers - other.failovers, self.chunks - other.chunks, self.late - other.late,
-                           self.audio_s - other.audio_s, self.wait_s - other.wait_s)
+
+@dataclass
+class _Listening:
+    order: int  # when it was admitted, counted
+    lag_s: float = 0.0  # at the last look
+    behind: bool = False
+
+
+class Listeners:
+    """The admitted streams' listeners, each looked at once a window, and once more as its stream ends."""
+
+    def __init__(self, allowed_s: float = LISTENER_LAG_S) -> None:
+        self.allowed_s = allowed_s  # the lag a stream may reach before it is behind (0: listeners not judged)
+        self._streams: dict[Heard, _Listening] = {}
+        self._admitted = 0
+        self._cut_at = 0  # streams admitted when the limit was last cut
+        self._ended = ListenerWindow(allowed_s)  # what streams that ended in this window showed
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def add(self, stream: Heard) -> None:
+        self._admitted += 1
+        self._streams[stream] = _Listening(self._admitted)
+
+    def remove(self, stream: Heard, now: float) -> None:
+        listening = self._streams.pop(stream, None)
+        if listening is not None:
+            self._look(self._ended, listening, stream.listener_lag_s(now))
+
+    def cut(self) -> None:
+        """The limit was cut: streams admitted before now that fall behind were admitted past it."""
+        self._cut_at = self._admitted
+
+    def take(self, now: float) -> ListenerWindow:
+        """The window since the last take(): every stream looked at now; a new one starts."""
+        window, self._ended = self._ended, ListenerWindow(self.allowed_s)
+        for stream, listening in self._streams.items():
+            self._look(window, listening, stream.listener_lag_s(now))
+        return window
+
+    def _look(self, window: ListenerWindow, listening: _Listening, lag_s: float) -> None:
+        if lag_s > listening.lag_s:
+            window.waiting_lag_s = max(window.waiting_lag_s, lag_s)
+        listening.lag_s = lag_s
+        if self.allowed_s and lag_s > self.allowed_s and not listening.behind:
+            listening.behind = True
+            window.behind += 1
+            window.behind_since_cut += listening.order > self._cut_at
 
 
 class CapacityLimit:
@@ -214,26 +251,19 @@ class CapacityLimit:
         self._window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
         self.limit = float(min(max(initial, floor), ceiling))
         self.pace: float | None = None  # the last window's
-        self._codec_trouble: str | None = None  # CODEC_LATE or CODEC_FAILOVER, until the next window
-        self._codec_cut_to = math.inf  # the limit that trouble cuts to
-        self.codec_room: float | None = None  # the last judged codec pace over the target (None: never judged)
-        self.codec_streams: float | None = None  # the streams the codec keeps at the target, by that judgment
+        self._failed_over = False  # a codec stream failed over since the last window
         self.reason: str | None = None  # why the last update moved the limit (None: it did not)
-        self._hold = 0  # windows left without growth after a codec backoff
+        self._hold = 0  # windows left without growth after a cut for a failover or a stream behind
         # Slow start, as TCP's: the limit may double a window until it is first cut (a cut says where the capacity
-        # is), and from then on grows by at most its square root, each growth once the last one's streams settled.
+        # is), and from then on grows one stream at a time, each growth once the last one's streams settled.
         self._cut = False
-        self._settling_s = 0.0  # seconds of windows left before the next careful growth
+        self._kept: float | None = None  # the streams the last window's pace keeps at the target, if it had room
+        self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
 
     @property
     def streams(self) -> int:
         """The whole streams the limit admits."""
         return int(self.limit)
-
-    @property
-    def codec_target(self) -> float:
-        """The pace the codec's owed audio is judged against."""
-        return self.target_pace * CODEC_HEADROOM
 
     @property
     def slow_start(self) -> bool:
@@ -249,65 +279,64 @@ class CapacityLimit:
         """Nothing decodes: no pace to show (an old one would hold an alert up)."""
         self.pace = None
 
-    def codec_trouble(self, reason: str = CODEC_LATE, kept: float | None = None) -> None:
-        """The codec tier was in trouble since the last window: a stream failed over (CODEC_FAILOVER: a replica
-        refused, stalled or went away; the limit cut by CODEC_BACKOFF) or its audio came late (CODEC_LATE: a replica
-        behind, keeping `kept` streams at the target: the limit cut to that, at most halving; None: not known, cut as
-        after a failover). A failover wins the reason; the deepest cut is kept."""
-        if self._codec_trouble != CODEC_FAILOVER:
-            self._codec_trouble = reason
-        cut_to = self.limit * CODEC_BACKOFF if kept is None else max(self.limit / 2, kept)
-        self._codec_cut_to = min(self._codec_cut_to, cut_to)
+    def grow_queued(self) -> bool:
+        """Requests wait at a limit in its slow start: double it now, up to what the last window's pace keeps at the
+        target (if it had room and no listener waited), rather than after the next window's decoding: on a CPU a
+        cold worker's first burst spends the tokens a window needs on its prompts, and its queue's deadline passed
+        first. Whether it grew."""
+        if not self.slow_start or self._kept is None or self._kept <= self.limit:
+            return False
+        before = self.limit
+        self.limit = min(self._kept, 2 * self.limit, float(self.ceiling))
+        self.reason = GROWTH if self.limit > before else None
+        return self.limit > before
 
-    def judge_codec(self, window: CodecWindow, judge_chunks: int, streams: int) -> str | None:
-        """The codec tier's counts since its last judgment, `streams` sharing it now (the admitted), against the target
-        pace x CODEC_HEADROOM: once enough came, the streams it keeps at that target, streams x pace / target (a codec
-        shared by the streams it owes gives each its throughput over their number), the most growth may reach; behind
-        that target, its trouble noted for the next update (and returned): the limit cut to those streams, by at least
-        CODEC_BACKOFF of them. Streams still
-        over a limit just cut are counted, not the limit: the next judgment cuts no further than what they showed."""
-        target = self.codec_target
-        trouble = window.trouble(target, judge_chunks)
-        pace = window.pace if window.enough(target, judge_chunks) else None
-        room, sharing = None if pace is None else pace / target, max(1, streams)
-        if room is not None:
-            self.codec_room, self.codec_streams = room, sharing * room
-        if trouble is not None:
-            late = trouble == CODEC_LATE and room is not None
-            self.codec_trouble(trouble, sharing * min(room, CODEC_BACKOFF) if late else None)
-        return trouble
+    def codec_failover(self) -> None:
+        """A codec stream failed over since the last window (a replica refused, stalled or went away): the next
+        update cuts the limit by CODEC_BACKOFF, once however many did."""
+        self._failed_over = True
 
-    def update(self, window: Window, peak_admitted: int, admitted: int) -> float:
+    def update(self, window: Window, peak_admitted: int, admitted: int, heard: ListenerWindow | None = None) -> float:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
-        the limit: demand met it, and every stream past it waited or was refused); `admitted`: now. Returns the
-        new limit. A window without enough decoding changes nothing."""
+        the limit: demand met it, and every stream past it waited or was refused); `admitted`: now; `heard`: what
+        their listeners at the target pace showed (None: not looked at). Returns the new limit. A window without
+        enough decoding changes nothing."""
         pace = window.pace if self.enough(window.stream_s, window.tokens) else None
         limit, reason = self.limit, None
         self.pace = pace
-        self._settling_s -= window.elapsed_s
+        heard = heard or ListenerWindow()
+        self._quiet_s = 0.0 if heard.waiting_lag_s > 0 else self._quiet_s + window.elapsed_s
+        quiet = not self._cut or self._quiet_s * self.target_pace >= LISTENER_QUIET_S
+        room = pace is not None and pace >= self.target_pace and heard.settled
+        self._kept = window.mean_decoding * pace / self.target_pace if room else None
         if pace is not None and pace < self.target_pace:
             # Too slow for the streams decoding: the limit those streams would keep at the target.
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * pace / self.target_pace)), SLOW
-        elif pace is not None and peak_admitted >= self.streams >= admitted and not self._hold:
+        elif heard.behind_since_cut:
+            # Streams behind: LISTENER_BACKOFF of the streams the window admitted (the limit, when it was in use).
+            # Only streams admitted since the last cut count: those admitted before it that fall behind later were
+            # admitted past it (a cut each ran a level's limit from 28 to 18 while its streams ended, benchmark run
+            # 13); if the limit is still too high, the streams it admits next fall behind.
+            cut = max(limit / 2, min(limit, peak_admitted) * LISTENER_BACKOFF)
+            if cut < limit:
+                limit, reason = cut, LISTENER_BEHIND
+        elif (pace is not None and peak_admitted >= self.streams >= admitted and not self._hold
+              and heard.settled and quiet):
             # In use, and not still over it after a decrease (the streams past it are yet to end).
-            if self._settling_s <= 0:
-                step = math.sqrt(limit) if self._cut else limit
-                grown = min(window.mean_decoding * pace / self.target_pace, limit + step)
-                if self.codec_streams is not None:  # and no more than the codec keeps at the target
-                    grown = min(grown, self.codec_streams)
-                limit = max(limit, grown)
-                reason = GROWTH
-        self._hold = max(0, self._hold - 1)
-        if self._codec_trouble:
-            if self._codec_cut_to < limit:  # the codec's cut binds: the move is the codec's
-                limit, reason = self._codec_cut_to, self._codec_trouble
-            self._codec_trouble, self._codec_cut_to, self._hold = None, math.inf, CODEC_HOLD_WINDOWS
+            step = 1.0 if self._cut else limit
+            limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
+            reason = GROWTH
+        self._hold = HOLD_WINDOWS if reason == LISTENER_BEHIND else max(0, self._hold - 1)
+        if self._failed_over:
+            if self.limit * CODEC_BACKOFF < limit:  # the failover's cut binds: the move is the codec's
+                limit, reason = self.limit * CODEC_BACKOFF, CODEC_FAILOVER
+            self._failed_over, self._hold = False, HOLD_WINDOWS
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful
-            self._cut = True
+            self._cut, self._quiet_s = True, 0.0
         elif self.limit > before and self._cut:  # a careful growth: the next waits for its streams' cost
-            self._settling_s = SETTLE_S_AT_REALTIME / self.target_pace
+            self._quiet_s = 0.0
         return self.limit
 
 

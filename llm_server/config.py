@@ -17,6 +17,8 @@ from orpheus_common.settings import CommaList
 from orpheus_common.socket_budget import SocketLimits
 from orpheus_common.tls import TlsSettings
 
+from .capacity import LISTENER_LAG_S
+
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
 # All 13 that Pipecat's OpenAITTSService accepts.
@@ -98,10 +100,9 @@ class LlmServerConfig(TlsSettings):
     # Past the limit a request waits this long at most for a slot, first come first served (admission.py), then
     # is refused with 429. Unset: 0.3 s on a GPU, slowed as the target pace is (3 s on a CPU); 0: never.
     admission_queue_s: float | None = Field(None, ge=0)
-    # The codec's owed audio is judged over this many chunks (capacity.CodecWindow): the streams sharing it x its pace
-    # over the target are the streams it keeps at the target, which the limit is cut to when the codec is behind and
-    # never grows past (capacity.CapacityLimit.judge_codec); 0: never judged.
-    codec_judge_chunks: int = Field(100, ge=0)
+    # An admitted stream whose listener at the target pace (no playout buffer) waited this many audio seconds in all
+    # is behind: the limit is cut and does not grow while listeners wait (capacity.Listeners); 0: not judged.
+    listener_lag_s: float = Field(LISTENER_LAG_S, ge=0)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536

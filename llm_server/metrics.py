@@ -66,7 +66,13 @@ class LlmMetrics:
         # cause: capacity (the worker's measured limit), key (an API key's own cap)
         self.refusals = Counter("megapod_worker_refusals", "Streams refused at admission, by cause", ["cause"], registry=r)
         self.codec_late_chunks = Counter("orpheus_codec_late_chunks", "Codec audio chunks owed that came slower than "
-                                         "the target pace on their own (admission judges the pace over many)", registry=r)
+                                         "the target pace on their own", registry=r)
+        # Their ratio of rates is the pace the codec tier delivers owed audio at (a stalled replica's silence counted
+        # as it happens): the codec's own view beside what each stream's listener heard (admission's signal).
+        self.codec_owed_audio = Counter("orpheus_codec_owed_audio_seconds", "Audio seconds the codec tier delivered "
+                                        "while streams waited on it (a frame's allowance more a chunk)", registry=r)
+        self.codec_owed_wait = Counter("orpheus_codec_owed_wait_seconds", "Seconds streams waited on the codec tier "
+                                       "for owed audio, those still waiting counted as they wait", registry=r)
         self.codec_failovers = Counter("orpheus_codec_failovers", "Codec streams that failed over to another replica "
                                        "(one refused, stalled past the stall timeout, or went away)", registry=r)
         self.capacity = Gauge("megapod_worker_capacity_streams", "Streams this worker admits at once now (the "
@@ -78,16 +84,16 @@ class LlmMetrics:
         # The autoscaler's metric: a fixed active-stream target was wrong wherever the measured limit is not it.
         self.capacity_used = Gauge("megapod_worker_capacity_used_ratio", "Streams held over the streams admitted at "
                                    "once now (above 1 while the limit falls below what was admitted)", registry=r)
-        # reason: pace_below_target, growth, codec_late, codec_failover (capacity.py); every move of the limit, one each
+        # reason: pace_below_target, growth, codec_failover, listener_behind (capacity.py); every move of the limit
         self.limit_changes = Counter("orpheus_capacity_limit_changes", "Moves of the admission limit, by why it moved",
                                      ["reason"], registry=r)
         for reason in REASONS:
             self.limit_changes.labels(reason)  # exported at 0 from the start: a rate() needs the series
         self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
                           "(1: exactly real time; NaN: too little decoding to say)", registry=r)
-        self.codec_room = Gauge("megapod_worker_codec_room_ratio", "The codec tier's pace delivering owed audio over "
-                                "the target pace, last judged (x the streams sharing it: the streams it keeps at the "
-                                "target, the limit's bound; NaN: not judged yet)", registry=r)
+        self.streams_behind = Counter("megapod_worker_streams_behind", "Admitted streams whose listener at the "
+                                      "target pace waited past the lag admission allows (capacity.LISTENER_LAG_S)",
+                                      registry=r)
         # action: refused (a message over a socket's budget, dropped unread), closed (a flood that went on)
         self.socket_refused = Counter("orpheus_socket_budget_refusals", "Client socket messages refused over the "
                                       "socket's budget, and sockets closed for it", ["action"], registry=r)
@@ -104,6 +110,13 @@ class LlmMetrics:
         """A stream refused at admission: its outcome and its cause."""
         self.requests.labels("refused").inc()
         self.refusals.labels(cause).inc()
+
+    def counted_codec(self, counts) -> None:
+        """What the codec client counted since the last call (runtime.CodecCounts)."""
+        self.codec_failovers.inc(counts.failovers)
+        self.codec_late_chunks.inc(counts.late)
+        self.codec_owed_audio.inc(max(0.0, counts.owed_audio_s))
+        self.codec_owed_wait.inc(max(0.0, counts.owed_wait_s))
 
     def played(self, playback) -> None:
         """A stream's playback as a real-time listener heard it (speech/playback.Playback), once it has ended."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from codec_contract.audio import POLICIES
 
 from .admission import AdmissionController
-from .capacity import CapacityLimit, CodecWindow, PaceMeter
+from .capacity import CapacityLimit, Listeners, PaceMeter
 from .config import LlmServerConfig
 from .engine import Engine
 from .engine.model_source import resolve_model
@@ -39,9 +39,22 @@ def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
     )
 
 
-def codec_counts(codec: CodecClient) -> CodecWindow:
-    """The codec client's counts since it started, as a CodecWindow (differences of two are a window)."""
-    return CodecWindow(codec.failovers, codec.deliveries, codec.late, codec.owed_audio_s, codec.owed_wait_s)
+@dataclass(frozen=True)
+class CodecCounts:
+    """The codec client's counts since it started (differences of two: what happened between)."""
+
+    failovers: int = 0
+    late: int = 0
+    owed_audio_s: float = 0.0
+    owed_wait_s: float = 0.0
+
+    @classmethod
+    def of(cls, codec: CodecClient) -> CodecCounts:
+        return cls(codec.failovers, codec.late, codec.owed_audio_s, codec.owed_wait_s)
+
+    def __sub__(self, other: CodecCounts) -> CodecCounts:
+        return CodecCounts(self.failovers - other.failovers, self.late - other.late,
+                           self.owed_audio_s - other.owed_audio_s, self.owed_wait_s - other.owed_wait_s)
 
 
 def lora_enabled(config: LlmServerConfig) -> bool:
@@ -104,13 +117,12 @@ class Runtime:
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
         limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace)
-        admission = AdmissionController(limit, PaceMeter(time.monotonic()))
+        admission = AdmissionController(limit, PaceMeter(time.monotonic()), Listeners(config.listener_lag_s))
         metrics.capacity.set_function(lambda: admission.max_streams)
         metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
         metrics.decoding.set_function(lambda: admission.meter.decoding_now)
         metrics.queued.set_function(lambda: admission.queued)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
-        metrics.codec_room.set_function(lambda: math.nan if limit.codec_room is None else limit.codec_room)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
         decoder = ReferenceDecoder(ReferenceBounds(max_s=config.max_reference_s), config.reference_decode_timeout_s,
                                    config.max_reference_uploads)
@@ -132,27 +144,30 @@ class Runtime:
                 log.exception("reading the voices directory %s failed; its voices stay as they were", self.config.voices_dir)
 
     async def watch_capacity(self) -> None:
-        """Move the admission limit every capacity_tick_s(), by the pace measured and the codec tier's: a failover, or
-        the pace it delivered owed audio at over codec_judge_chunks chunks (CodecWindow, CapacityLimit.judge_codec)."""
-        counted = judged = codec_counts(self.codec)  # the counts last exported, and at the last judgment
-        codec = CodecWindow()  # the codec trouble the next move answers (its log line's figures)
+        """Move the admission limit every capacity_tick_s(), by the pace measured, what the admitted streams' listeners
+        heard (capacity.Listeners) and the codec tier's failovers; export the codec client's counts as they grow."""
+        counted = CodecCounts.of(self.codec)
+        failovers = 0  # since the limit last moved (its log line's)
         while True:
             await asyncio.sleep(self.capacity_tick_s())
             try:  # a failure here must not freeze the limit for the worker's life
-                now = codec_counts(self.codec)
-                self.metrics.codec_late_chunks.inc(now.late - counted.late)
-                self.metrics.codec_failovers.inc(now.failovers - counted.failovers)
-                counted, pending = now, now - judged
-                if self.admission.limit.judge_codec(pending, self.config.codec_judge_chunks, self.admission.active):
-                    codec = pending
-                if pending.judged(self.admission.limit.codec_target, self.config.codec_judge_chunks):
-                    judged = now
+                now = CodecCounts.of(self.codec)
+                self.metrics.counted_codec(now - counted)
+                if now.failovers > counted.failovers:
+                    self.admission.limit.codec_failover()
+                    failovers += now.failovers - counted.failovers
+                counted = now
                 before = self.admission.max_streams
                 window = self.admission.end_window(time.monotonic())
                 if window is not None:
+                    self.metrics.streams_behind.inc(self.admission.heard.behind)
                     if self.admission.limit.reason is not None:
-                        self._limit_moved(before, window, codec)
-                    codec = CodecWindow()
+                        self._limit_moved(before, window, failovers)
+                    failovers = 0
+                elif self.admission.max_streams != before:  # grown while requests wait, between windows
+                    self.metrics.limit_changes.labels(self.admission.limit.reason).inc()
+                    log.info("admission limit %d -> %d streams: %s (slow start, %d requests waiting)", before,
+                             self.admission.max_streams, self.admission.limit.reason, self.admission.queued)
             except Exception:
                 log.exception("moving the admission limit failed; it stays at %d", self.admission.max_streams)
 
@@ -164,17 +179,16 @@ class Runtime:
             return max(0.01, min(self.config.capacity_window_s, self.config.resolved_admission_queue_s / 10))
         return self.config.capacity_window_s
 
-    def _limit_moved(self, before: int, window, codec: CodecWindow) -> None:
+    def _limit_moved(self, before: int, window, failovers: int) -> None:
         """Count and log why the limit moved, with the figures it moved by."""
-        limit = self.admission.limit
+        limit, heard = self.admission.limit, self.admission.heard
         self.metrics.limit_changes.labels(limit.reason).inc()
         pace = "-" if window.pace is None else f"{window.pace:.2f}"
-        codec_pace = "-" if codec.pace is None else f"{codec.pace:.2f}"
-        room = "-" if limit.codec_room is None else f"{limit.codec_room:.2f}x, keeping {limit.codec_streams:.1f} streams"
-        log.info("admission limit %d -> %d streams: %s (pace %s against a target of %.2f, %.1f streams decoding; codec: "
-                 "%d failovers, pace %s over %d chunks, %d of them late; codec room %s)", before, limit.streams,
-                 limit.reason, pace, limit.target_pace, window.mean_decoding, codec.failovers, codec_pace, codec.chunks,
-                 codec.late, room)
+        log.info("admission limit %d -> %d streams: %s (pace %s against a target of %.2f, %.1f streams decoding, %d "
+                 "admitted; listeners at the target pace: %d fell behind, %d of them admitted since the last cut, the "
+                 "most lag of one waiting %.3f s; %d codec failovers)", before, limit.streams, limit.reason, pace,
+                 limit.target_pace, window.mean_decoding, self.admission.active, heard.behind, heard.behind_since_cut,
+                 heard.waiting_lag_s, failovers)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

@@ -35,8 +35,9 @@ class ScriptedEngineDouble:
 
     def __init__(self, frames: int = 48, frames_per_batch: int = 2, batch_delay_s: float = 0.002,
                  fail_after_frames: int | None = None, loop_after: int | None = None, loop_period: int = 4,
-                 end_of_speech: bool = True) -> None:
+                 end_of_speech: bool = True, prefill_s: float = 0.0) -> None:
         self.frames = frames
+        self.prefill_s = prefill_s  # before a request's first batch, as a long prompt's prefill
         self.frames_per_batch = frames_per_batch
         self.batch_delay_s = batch_delay_s
         self.fail_after_frames = fail_after_frames
@@ -63,6 +64,7 @@ class ScriptedEngineDouble:
         self.adapters[request_id] = adapter
         rng = random.Random(request_id)
         try:
+            await asyncio.sleep(self.prefill_s)
             sent = 0
             while sent < self.frames:
                 if self.fail_after_frames is not None and sent >= self.fail_after_frames:
@@ -196,6 +198,7 @@ async def settled(served: Served, snac_server, baseline: set[asyncio.Task], with
         readings = {
             "admission": served.runtime.admission.active,
             "per_key": sum(served.runtime.admission.active_per_key.values()),
+            "listeners": len(served.runtime.admission.listeners),
             "active_streams": served.runtime.metrics.registry.get_sample_value("orpheus_active_streams"),
             "engine_generators": served.engine.live,
             "codec_streams": snac_server.service.active,
@@ -208,7 +211,8 @@ async def settled(served: Served, snac_server, baseline: set[asyncio.Task], with
         await asyncio.sleep(0.05)  # the server runs on this loop: let it work
 
 
-NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks")}
+NOTHING_HELD = {k: 0 for k in ("admission", "per_key", "listeners", "active_streams", "engine_generators", "codec_streams",
+                                "tasks")}
 
 
 async def baseline(served: Served, snac_server) -> set[asyncio.Task]:

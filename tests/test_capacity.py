@@ -14,15 +14,16 @@ import pytest
 from llm_server.admission import CAPACITY, KEY, AdmissionController
 from llm_server.capacity import (
     CODEC_FAILOVER,
-    CODEC_HEADROOM,
-    CODEC_LATE,
     GROWTH,
-    SLOW,
-    CODEC_HOLD_WINDOWS,
+    HOLD_WINDOWS,
+    LISTENER_BEHIND,
+    LISTENER_LAG_S,
     REALTIME_TOKENS_PER_S,
+    SLOW,
     WINDOW_TOKENS,
     CapacityLimit,
-    CodecWindow,
+    Listeners,
+    ListenerWindow,
     PaceMeter,
     Window,
     measured_curve,
@@ -60,6 +61,46 @@ def run(limit: CapacityLimit, step_ms, windows: int, offered: float = math.inf) 
 
 H100_LIKE = step_ms_curve(2.0, 0.051)  # 12.2 ms at 200 streams: real time for 200
 SLOWER = step_ms_curve(4.0, 0.12)  # a smaller GPU: real time for 68
+
+
+class Lagging:
+    """A stream as its listener at the target pace hears it: lag_s audio seconds waited (SpeechSession's double)."""
+
+    def __init__(self, lag_s: float = 0.0) -> None:
+        self.lag_s = lag_s
+
+    def listener_lag_s(self, now: float) -> float:
+        return self.lag_s
+
+
+def test_listeners_count_a_stream_behind_once_and_one_that_ends_in_the_window_too():
+    listeners = Listeners()
+    a, b, c = Lagging(), Lagging(), Lagging()
+    for stream in (a, b, c):
+        listeners.add(stream)
+    assert listeners.take(0.0).settled
+    a.lag_s, b.lag_s = LISTENER_LAG_S + 0.01, 0.05
+    heard = listeners.take(1.0)
+    assert (heard.behind, heard.behind_since_cut, heard.waiting_lag_s) == (1, 1, pytest.approx(LISTENER_LAG_S + 0.01))
+    assert not heard.settled
+    a.lag_s += 0.5  # behind already: counted once, though it waits on
+    heard = listeners.take(2.0)
+    assert (heard.behind, heard.waiting_lag_s) == (0, pytest.approx(LISTENER_LAG_S + 0.51)) and not heard.settled
+    assert listeners.take(3.0).settled, "nobody waited in the window: a's old lag is no reason to hold growth"
+    b.lag_s = LISTENER_LAG_S / 2 + 0.01
+    assert not listeners.take(4.0).settled, "b is waiting, past half the lag allowed"
+    listeners.cut()
+    d = Lagging()
+    listeners.add(d)
+    b.lag_s, d.lag_s = LISTENER_LAG_S + 0.1, LISTENER_LAG_S + 0.1
+    listeners.remove(b, 5.0)  # it fell behind as it ended: still this window's
+    heard = listeners.take(5.0)
+    assert (heard.behind, heard.behind_since_cut) == (2, 1), "b was admitted before the cut, d after"
+    assert len(listeners) == 3 and listeners.take(6.0).settled
+
+
+FAST = step_ms_curve(1.0, 0.0)  # pace ~12: far ahead of the target, as a CPU's engine beside its codec
+BEHIND = ListenerWindow(behind=1, behind_since_cut=1, waiting_lag_s=LISTENER_LAG_S + 0.01)
 
 
 @pytest.mark.parametrize("curve", [H100_LIKE, SLOWER], ids=["h100-like", "slower"])
@@ -135,36 +176,39 @@ def test_a_slow_window_with_idle_streams_admitted_shrinks_to_what_decoded():
     assert limit.limit == pytest.approx(12 * 0.99 / TARGET, rel=1e-3)
 
 
-def test_codec_trouble_shrinks_the_limit_once_a_window_and_holds_it_a_while():
+def test_codec_failovers_shrink_the_limit_once_a_window_and_hold_it_a_while():
     limit = CapacityLimit(initial=100, floor=1, ceiling=4096, target_pace=TARGET)
-    limit.codec_trouble()
-    limit.codec_trouble()
+    limit.codec_failover()
+    limit.codec_failover()
     limit.update(window_at(100, step_ms_curve(1.0, 0.0)), peak_admitted=50, admitted=50)  # fast, not binding
     assert limit.limit == pytest.approx(90.0)
-    for _ in range(CODEC_HOLD_WINDOWS):  # then at the limit and far ahead of real time: no growth yet
+    for _ in range(HOLD_WINDOWS):  # then at the limit and far ahead of real time: no growth yet
         limit.update(window_at(90, step_ms_curve(1.0, 0.0)), peak_admitted=90, admitted=90)
     assert limit.limit == pytest.approx(90.0), "counted once, and held"
     limit.update(window_at(90, step_ms_curve(1.0, 0.0)), peak_admitted=90, admitted=90)
     assert limit.limit > 90
 
 
-def test_every_move_of_the_limit_says_why_and_a_failover_outranks_late_audio():
+def test_every_move_of_the_limit_says_why_and_the_deeper_cut_names_it():
     fast, slow = step_ms_curve(1.0, 0.0), step_ms_curve(100.0, 10.0)
     limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
     limit.update(window_at(16, slow), peak_admitted=16, admitted=16)
     assert limit.reason == SLOW and limit.streams < 16
     limit.update(window_at(limit.streams, fast), peak_admitted=limit.streams, admitted=limit.streams)
+    assert limit.reason is None, "1.05 s of audio since the cut: its streams have yet to show their cost"
+    limit.update(window_at(limit.streams, fast), peak_admitted=limit.streams, admitted=limit.streams)
     assert limit.reason == GROWTH
     grown = limit.streams
     limit.update(window_at(grown, fast), peak_admitted=1, admitted=1)  # not in use: no move, no reason
     assert limit.reason is None and limit.streams == grown
-    limit.codec_trouble(CODEC_LATE)
-    limit.update(window_at(grown, fast), peak_admitted=grown, admitted=grown)  # growth had room; the codec wins
-    assert limit.reason == CODEC_LATE and limit.streams < grown
-    limit.codec_trouble(CODEC_FAILOVER)
-    limit.codec_trouble(CODEC_LATE)
+    limit.update(window_at(grown, fast), grown, grown, BEHIND)  # growth had room; a listener behind wins
+    assert limit.reason == LISTENER_BEHIND and limit.streams < grown
+    limit.codec_failover()
     limit.update(window_at(limit.streams, fast), peak_admitted=1, admitted=1)
     assert limit.reason == CODEC_FAILOVER
+    limit.codec_failover()  # with a stream behind whose window held few streams: its cut (to half) is deeper
+    limit.update(window_at(limit.streams, fast), 1, 1, BEHIND)
+    assert limit.reason == LISTENER_BEHIND
     floor = CapacityLimit(initial=4, floor=4, ceiling=8, target_pace=TARGET)
     floor.update(window_at(4, slow), peak_admitted=4, admitted=4)  # at the floor already: nothing moved
     assert floor.reason is None and floor.streams == 4
@@ -174,7 +218,7 @@ def test_floor_and_ceiling_hold():
     limit = CapacityLimit(initial=8, floor=4, ceiling=10, target_pace=TARGET)
     run(limit, step_ms_curve(100.0, 10.0), windows=10)  # hopelessly slow
     assert limit.streams == 4
-    run(limit, step_ms_curve(0.1, 0.0), windows=10)
+    run(limit, step_ms_curve(0.1, 0.0), windows=20)  # one stream every two windows past the cut
     assert limit.streams == 10
     fixed = CapacityLimit(initial=16, floor=8, ceiling=8, target_pace=TARGET)
     assert fixed.streams == 8 and run(fixed, step_ms_curve(100.0, 10.0), windows=3)[-1] == 8
@@ -256,25 +300,6 @@ def test_a_curve_needs_a_measured_point_and_skips_the_unmeasured():
     assert measured_curve({1: 2.0, 16: float("nan"), 64: 8.0})(32.5) == pytest.approx(5.0)
 
 
-def test_the_codec_is_in_trouble_after_a_failover_or_when_enough_chunks_came_slower_than_the_target_pace():
-    """Issue 43: the codec's signal is a replica that cannot keep up (the pace of its owed audio over many chunks),
-    not a share of chunks late in a burst: 30 late chunks among 100 that kept the pace overall are no trouble."""
-    target = 0.105
-    behind = CodecWindow(chunks=100, late=100, audio_s=100 * 0.2, wait_s=100 * 0.2 / 0.09)  # 0.09 x real time
-    assert behind.pace == pytest.approx(0.09) and behind.trouble(target, judge_chunks=100) == CODEC_LATE
-    burst = CodecWindow(chunks=100, late=30, audio_s=100 * 0.2, wait_s=30 * 2.5 + 70 * 0.2)  # 30 slow, 70 quick
-    assert burst.pace > target and burst.trouble(target, judge_chunks=100) is None
-    few = CodecWindow(chunks=20, late=20, audio_s=4.0, wait_s=20.0)  # behind, but too little yet to say
-    assert few.trouble(target, judge_chunks=100) is None and not few.judged(target, 100), "they add up with the next"
-    stalled = CodecWindow(chunks=5, audio_s=1.0, wait_s=100.0)  # a few chunks, long waits: a codec too slow to tell
-    assert stalled.trouble(target, judge_chunks=100) == CODEC_LATE and stalled.judged(target, 100)
-    assert (few - few).chunks == 0
-    assert behind.trouble(target, judge_chunks=0) is None, "0: the codec's pace is never judged"
-    failover = CodecWindow(failovers=1)
-    assert failover.trouble(target, judge_chunks=100) == CODEC_FAILOVER and failover.judged(target, 100)
-    assert CodecWindow().pace is None and CodecWindow().trouble(target, 100) is None
-
-
 # -- the admission queue (issue 43: a refused client gets a turn) ----------------------------------------------------
 
 def _admission(initial: int) -> AdmissionController:
@@ -305,7 +330,10 @@ async def test_a_wait_past_its_deadline_is_refused_holding_nothing():
 
 
 async def test_the_queue_is_no_longer_than_the_limit_and_waiting_counts_against_a_key():
-    admission = _admission(1)
+    admission = _admission(2)
+    admission.limit.codec_failover()  # a cut (2 -> 1): past the slow start, where a burst queues up to the ceiling
+    admission.limit.update(window_at(1, FAST), 1, 1)
+    assert admission.max_streams == 1 and not admission.limit.slow_start
     assert admission.admit() is None
     waiting = asyncio.create_task(admission.enter("k", key_limit=1, wait_s=30))
     await asyncio.sleep(0)
@@ -315,6 +343,20 @@ async def test_the_queue_is_no_longer_than_the_limit_and_waiting_counts_against_
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert admission.queued == 0 and admission.active_per_key == {}
+
+
+async def test_a_cold_limit_queues_a_burst_up_to_the_ceiling():
+    """Issue 43's fresh level: 20 requests at once at a cold worker's 4 streams had only 4 places in the queue, and
+    12 were refused on arrival. Until the limit is first cut, the queue holds up to the ceiling (64 here)."""
+    admission = _admission(4)
+    assert all(admission.admit() is None for _ in range(4))
+    waiting = [asyncio.create_task(admission.enter(wait_s=30)) for _ in range(60)]
+    await asyncio.sleep(0)
+    assert admission.queued == 60 and await admission.enter(wait_s=30) == CAPACITY, "the 65th: past the ceiling"
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert admission.queued == 0
 
 
 async def test_a_client_gone_after_it_was_handed_a_slot_gives_the_slot_to_the_next():
@@ -343,113 +385,47 @@ async def test_a_limit_that_grows_admits_the_waiting():
 
 def test_after_a_cut_growth_past_it_is_careful():
     """Slow start: doubling until the first cut (a codec failover here: a bottleneck the engine's pace does not
-    show), then at most sqrt(limit) a window above the limit the cut left."""
+    show), then one stream at a time above the limit the cut left."""
     fast = step_ms_curve(1.0, 0.0)
     limit = CapacityLimit(initial=4, floor=1, ceiling=4096, target_pace=TARGET)
     run(limit, fast, windows=3)
     assert limit.limit == 32, "doubling from a cold start"
-    limit.codec_trouble(CODEC_FAILOVER)
-    run(limit, fast, windows=1 + CODEC_HOLD_WINDOWS)  # the cut, then held
+    limit.codec_failover()
+    run(limit, fast, windows=1 + HOLD_WINDOWS)  # the cut, then held
     cut = limit.limit
     assert cut == pytest.approx(32 * 0.9)
     run(limit, fast, windows=1)
-    assert limit.limit == pytest.approx(cut + math.sqrt(cut))
+    assert limit.limit == pytest.approx(cut + 1)
 
 
 def test_past_a_cut_a_growth_waits_for_the_streams_it_admitted_to_show_their_cost():
     """On a CPU's slow-motion target a window of fast streams closes every second, but a new stream takes seconds to
-    reach the codec: growth every window ran the limit from 6 to 41 in 8 s before the codec's lateness showed
-    (a benchmark run of issue 43). Past the slow start, one growth per 0.3 s / target pace (3 s here)."""
+    reach the codec, and its audio then comes in rows: growth every window ran the limit from 6 to 41 in 8 s before
+    the codec's lateness showed, and one every 3 s from 20 to 28 in 24 s before a listener waited (benchmark runs of
+    issue 43). Past the slow start, one stream per LISTENER_QUIET_S of audio at the target pace (14.3 s here) since
+    the last cut or growth with no listener waiting; a listener waiting starts the count again."""
     fast = Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0)  # 1 x real time: 10 x the target
     limit = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=0.105)
     limit.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20)  # 0.05 x: cut
-    cut = limit.limit
-    assert limit.reason == SLOW and cut == 10
-    seen = []
-    for _ in range(7):
-        limit.update(fast, peak_admitted=limit.streams, admitted=limit.streams)
-        seen.append(limit.reason)
-    assert seen == [GROWTH, None, None, GROWTH, None, None, GROWTH], seen
+    assert limit.reason == SLOW and limit.limit == 10
+    grew = []
+    for second in range(1, 41):
+        heard = ListenerWindow(waiting_lag_s=0.01) if second == 20 else None  # one listener waited a little
+        limit.update(fast, limit.streams, limit.streams, heard)
+        if limit.reason == GROWTH:
+            grew.append(second)
+    assert grew == [15, 35] and limit.limit == 12, grew
 
 
 # -- the codec as the bottleneck (issue 43: the limit hovered at 2-3x what the codec kept) ---------------------------
 
 CPU_TARGET = 0.105
-CODEC_TARGET = CPU_TARGET * CODEC_HEADROOM  # what the codec's owed audio is judged against
-CHUNK_S = 0.17  # a chunk's owed audio with its frame's allowance
 
 
-def codec_window(pace: float, chunks: int = 100) -> CodecWindow:
-    """`chunks` chunks of owed audio delivered at `pace` x real time."""
-    return CodecWindow(chunks=chunks, audio_s=chunks * CHUNK_S, wait_s=chunks * CHUNK_S / pace)
-
-
-def test_a_codec_behind_cuts_the_limit_to_the_streams_it_keeps_at_the_target():
-    """Behind its target (the target pace x CODEC_HEADROOM), the codec keeps streams x pace / target of the streams
-    sharing it: the limit is cut to that, by a tenth at least and at most to half; after a failover, by a tenth."""
-    fast = step_ms_curve(1.0, 0.0)
-    for pace_share, expected in ((0.6, 24), (0.97, 36), (0.2, 20)):
-        limit = CapacityLimit(initial=40, floor=1, ceiling=4096, target_pace=CPU_TARGET)
-        assert limit.judge_codec(codec_window(CODEC_TARGET * pace_share), 100, streams=40) == CODEC_LATE
-        limit.update(window_at(40, fast), peak_admitted=40, admitted=40)
-        assert limit.reason == CODEC_LATE and limit.limit == pytest.approx(expected), pace_share
-    limit = CapacityLimit(initial=40, floor=1, ceiling=4096, target_pace=CPU_TARGET)
-    failed_over = CodecWindow(failovers=1, chunks=5, audio_s=5 * CHUNK_S, wait_s=100.0)  # slow, but a failover
-    assert limit.judge_codec(failed_over, 100, streams=40) == CODEC_FAILOVER
-    limit.update(window_at(40, fast), peak_admitted=40, admitted=40)
-    assert limit.reason == CODEC_FAILOVER and limit.limit == pytest.approx(40 * 0.9)
-
-
-def test_streams_still_over_a_limit_just_cut_are_not_cut_for_again():
-    """The codec's next judgment still sees the streams admitted before a cut (they end in their own time): what
-    they show is compared with the limit, not applied to it again. A cut applied to the limit each time ran it
-    from 22 to 2 in 30 s while 21 streams admitted before the first cut were ending (a benchmark run of issue 43)."""
-    fast = step_ms_curve(1.0, 0.0)
-    limit = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=CPU_TARGET)
-    limit.judge_codec(codec_window(CODEC_TARGET * 0.7), 100, streams=20)
-    limit.update(window_at(20, fast), peak_admitted=20, admitted=20)
-    assert limit.limit == pytest.approx(14)
-    limit.judge_codec(codec_window(CODEC_TARGET * 0.8), 100, streams=20)  # the same 20, a little less behind
-    limit.update(window_at(20, fast), peak_admitted=20, admitted=20)
-    assert limit.limit == pytest.approx(14) and limit.reason is None, "20 x 0.8 = 16 streams kept: over 14"
-    limit.judge_codec(codec_window(CODEC_TARGET * 0.5), 100, streams=14)  # the 14 left, further behind
-    limit.update(window_at(14, fast), peak_admitted=14, admitted=14)
-    assert limit.limit == pytest.approx(7) and limit.reason == CODEC_LATE
-
-
-def test_growth_goes_no_further_than_the_streams_the_codec_keeps_at_the_target():
-    fast = step_ms_curve(1.0, 0.0)  # an engine far ahead: its pace alone would double the limit
-    limit = CapacityLimit(initial=10, floor=1, ceiling=4096, target_pace=CPU_TARGET)
-    assert limit.judge_codec(codec_window(CODEC_TARGET * 1.3), 100, streams=10) is None
-    assert limit.codec_room == pytest.approx(1.3) and limit.codec_streams == pytest.approx(13)
-    limit.update(window_at(10, fast), peak_admitted=10, admitted=10)
-    assert limit.reason == GROWTH and limit.limit == pytest.approx(13.0)
-    limit.judge_codec(codec_window(CODEC_TARGET * 1.0, chunks=20), 100, streams=13)  # too few chunks: unchanged
-    assert limit.codec_streams == pytest.approx(13)
-
-
-def test_beside_a_codec_that_keeps_k_streams_the_limit_settles_at_k_and_never_runs_past_it():
-    """A fast engine and a codec that delivers K streams' worth of audio a second, shared by the streams admitted
-    (each gets target x K / N): from a cold start the limit reaches K and stays there. Growth by the engine's pace
-    alone, with a 10 % cut per judged codec window, ran it to 16, then back over K to 13-14 every ninth window
-    (the same loop on 54ce1aa's CapacityLimit), each time starving the streams it admitted."""
-    fast, k = step_ms_curve(1.0, 0.0), 10
-    limit = CapacityLimit(initial=4, floor=1, ceiling=4096, target_pace=CPU_TARGET)
-    seen = []
-    for _ in range(60):
-        streams = limit.streams
-        limit.judge_codec(codec_window(CODEC_TARGET * k / streams), 100, streams)
-        limit.update(window_at(streams, fast), peak_admitted=streams, admitted=streams)
-        seen.append(limit.streams)
-    assert max(seen) <= k and seen[-10:] == [k] * 10, seen
-
-
-async def test_the_worker_adds_up_codec_counts_over_windows_until_enough_came_then_cuts_by_their_pace(caplog):
-    """Runtime.watch_capacity end to end (its codec client's own counts, windows of 50 ms, 16 streams admitted under a
-    limit of 20): 20 chunks behind the codec's target say too little (28 s of waiting, where 100 frames at that pace
-    are 54 s) and move nothing; 20 more, windows later, are judged with them (40 chunks at 0.76 x that target):
-    the limit is cut once, to the 12 of the 16 streams the codec keeps at the target; the log line says over how
-    many chunks, and the room is on /metrics."""
+async def test_the_worker_cuts_for_a_stream_behind_and_a_failover_and_exports_the_codecs_counts(caplog):
+    """Runtime.watch_capacity end to end (windows of 50 ms, 16 streams admitted under a limit of 20): a stream whose
+    listener waited past its allowance cuts the limit once, by a tenth of the 16, with the figures in the log line
+    and on /metrics; a codec failover then cuts by a tenth; the codec client's counts are exported as they grow."""
     from served import CharTokenizerDouble, ScriptedEngineDouble
 
     from llm_server.config import LlmServerConfig
@@ -457,42 +433,69 @@ async def test_the_worker_adds_up_codec_counts_over_windows_until_enough_came_th
     from llm_server.speech.codec_client import CodecClient
 
     config = LlmServerConfig(snac="127.0.0.1:9", initial_streams=20, max_streams=64, target_pace=CPU_TARGET,
-                             capacity_window_s=0.05, codec_judge_chunks=100)
+                             capacity_window_s=0.05)
     runtime = Runtime.assemble(config, ScriptedEngineDouble(), CodecClient(codec_client_config(config)),
                                CharTokenizerDouble())
     limit, meter, registry = runtime.admission.limit, runtime.admission.meter, runtime.metrics.registry
+    streams = [Lagging() for _ in range(16)]
 
     async def windows(n: int) -> None:  # n windows end, each with decoding enough to judge
         for _ in range(n):
             meter.tokens(WINDOW_TOKENS)
             await asyncio.sleep(0.08)
 
-    def behind(chunks: int) -> None:  # chunks of owed audio at 0.76 x the codec's target pace
-        for _ in range(chunks):
-            runtime.codec._delivered(CHUNK_S, CHUNK_S / (CODEC_TARGET * 0.76))
-
-    for _ in range(16):
+    for stream in streams:
         assert runtime.admission.admit() is None
-
+        runtime.admission.listeners.add(stream)
     meter.started(time.monotonic())  # the clock end_window reads
     watching = asyncio.create_task(runtime.watch_capacity())
     try:
         with caplog.at_level(logging.INFO, logger="llm_server.runtime"):
-            await windows(1)  # the watcher has taken its first counts
-            behind(20)
+            await windows(2)
+            assert limit.streams == 20, "16 of 20 admitted, every listener content: nothing moves"
+            streams[3].lag_s = config.listener_lag_s + 0.05
+            runtime.codec._delivered(0.17, 0.17 / 0.09)  # a chunk of owed audio at 0.09 x real time
             await windows(3)
-            assert limit.streams == 20 and limit.codec_room is None, "20 chunks say too little"
-            behind(20)
-            await windows(3)
-            assert limit.streams == 12 and limit.codec_room == pytest.approx(0.76)
-            assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": CODEC_LATE}) == 1
-            assert registry.get_sample_value("megapod_worker_codec_room_ratio") == pytest.approx(0.76)
-        [line] = [r.getMessage() for r in caplog.records if "admission limit" in r.getMessage()]
-        assert "20 -> 12 streams: codec_late" in line and "over 40 chunks" in line
-        assert "codec room 0.76x, keeping 12.2 streams" in line
+            assert limit.streams == int(16 * 0.9)
+            moves = registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": LISTENER_BEHIND})
+            assert moves == 1
+            assert registry.get_sample_value("megapod_worker_streams_behind_total") == 1
+            assert registry.get_sample_value("orpheus_codec_owed_audio_seconds_total") == pytest.approx(0.17)
+            assert registry.get_sample_value("orpheus_codec_owed_wait_seconds_total") == pytest.approx(0.17 / 0.09)
+            assert registry.get_sample_value("orpheus_codec_late_chunks_total") == 1
+            runtime.codec._failed_over()
+            await windows(2)
+            assert limit.streams == int(16 * 0.9 * 0.9)
+            assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": CODEC_FAILOVER}) == 1
+            assert registry.get_sample_value("orpheus_codec_failovers_total") == 1
+        lines = [r.getMessage() for r in caplog.records if "admission limit" in r.getMessage()]
+        assert "20 -> 14 streams: listener_behind" in lines[0]
+        assert "1 fell behind, 1 of them admitted since" in lines[0]
+        assert "16 admitted" in lines[0] and "0 codec failovers" in lines[0]
+        assert "14 -> 12 streams: codec_failover" in lines[1] and "1 codec failovers" in lines[1]
     finally:
         watching.cancel()
         await runtime.codec.close()
+
+
+def test_beside_a_codec_that_keeps_k_streams_the_limit_hovers_at_k():
+    """A fast engine beside a codec that keeps K streams at the target pace: a stream admitted while more than K
+    share it falls behind. From a cold start the limit doubles past K, is cut back, and then hovers at K, a stream
+    over at most, one growth a settle, one cut a stream behind."""
+    k, seen = 10, []
+    limit, listeners = CapacityLimit(initial=4, floor=1, ceiling=4096, target_pace=CPU_TARGET), Listeners()
+    for second in range(120):
+        n = limit.streams
+        newest = Lagging(2 * LISTENER_LAG_S if n > k else 0.0)
+        listeners.add(newest)
+        before = limit.limit
+        limit.update(window_at(n, FAST), n, n, listeners.take(float(second)))
+        if limit.limit < before:
+            listeners.cut()
+        listeners.remove(newest, float(second))
+        seen.append(limit.streams)
+    assert max(seen) > k, "the slow start runs past K before anything is behind"
+    assert k * 0.85 <= min(seen[-60:]) and max(seen[-60:]) <= k + 1, seen
 
 
 async def test_a_cold_worker_looks_at_its_limit_ten_times_a_queue_wait_while_requests_wait_for_it():
@@ -516,9 +519,63 @@ async def test_a_cold_worker_looks_at_its_limit_ten_times_a_queue_wait_while_req
         waiting = asyncio.create_task(admission.enter(wait_s=3.0))
         await asyncio.sleep(0)
         assert admission.queued == 1 and runtime.capacity_tick_s() == pytest.approx(0.3)
-        admission.limit.codec_trouble(CODEC_FAILOVER)  # cut: past the slow start, growth is careful anyway
+        admission.limit.codec_failover()  # cut: past the slow start, growth is careful anyway
         admission.limit.update(window_at(2, step_ms_curve(1.0, 0.0)), peak_admitted=2, admitted=2)
         assert not admission.limit.slow_start and runtime.capacity_tick_s() == config.capacity_window_s
         waiting.cancel()
     finally:
         await runtime.codec.close()
+
+
+
+def test_streams_behind_cut_the_limit_by_a_tenth_of_those_admitted_once_a_cut_and_hold_growth():
+    limit = CapacityLimit(initial=20, floor=1, ceiling=64, target_pace=TARGET)
+    limit.update(window_at(20, FAST), 20, 20, BEHIND)
+    assert limit.reason == LISTENER_BEHIND and limit.limit == pytest.approx(18)
+    before_cut = ListenerWindow(behind=1, behind_since_cut=0, waiting_lag_s=0.3)
+    for admitted in (20, 18):  # admitted before the cut, while the 20 were over it and once within: no second cut
+        limit.update(window_at(18, FAST), admitted, admitted, before_cut)
+        assert limit.limit == pytest.approx(18) and limit.reason is None
+    limit.update(window_at(18, FAST), 18, 18, BEHIND)  # one admitted since the cut: the limit is still too high
+    assert limit.reason == LISTENER_BEHIND and limit.limit == pytest.approx(18 * 0.9)
+    held = limit.limit
+    for _ in range(HOLD_WINDOWS):
+        limit.update(window_at(16, FAST), 16, 16, ListenerWindow())
+    assert limit.limit == held, "no growth for a while after a cut"
+    limit.update(window_at(16, FAST), 16, 16, ListenerWindow(waiting_lag_s=LISTENER_LAG_S * 0.6))
+    assert limit.limit == held, "no growth while a listener waits past half the lag allowed"
+    limit.update(window_at(16, FAST), 16, 16, ListenerWindow(waiting_lag_s=LISTENER_LAG_S * 0.1))
+    assert limit.limit == held, "a listener waited: 1.5 s of audio with none waiting first"
+    limit.update(window_at(16, FAST), 16, 16, ListenerWindow())
+    assert limit.limit == held, "1.05 s of audio so far"
+    limit.update(window_at(16, FAST), 16, 16, ListenerWindow())
+    assert limit.reason == GROWTH and limit.limit == pytest.approx(held + 1)
+
+
+def test_a_cut_for_streams_behind_counts_the_streams_admitted_in_its_window_and_at_most_halves():
+    limit = CapacityLimit(initial=40, floor=1, ceiling=64, target_pace=TARGET)
+    limit.update(window_at(30, FAST), 30, 4, BEHIND)  # the window's 30 streams, 4 left when one was found behind
+    assert limit.limit == pytest.approx(27)
+    few = CapacityLimit(initial=40, floor=1, ceiling=64, target_pace=TARGET)
+    few.update(window_at(10, FAST), 10, 10, BEHIND)
+    assert few.limit == pytest.approx(20), "10 admitted of 40, one behind: no lower than half the limit"
+
+
+def test_a_cold_limit_with_requests_waiting_doubles_between_windows_up_to_what_the_pace_keeps():
+    """Issue 43's fresh level: 26 requests at once on a CPU, the limit 4 -> 8 -> 16 in two windows, then no window
+    closed before the queue's 3 s (the new streams' prompts held up the tokens a window needs): 10 refused."""
+    room_for_10 = step_ms_curve(1000 / (REALTIME_TOKENS_PER_S * CPU_TARGET * 2.5), 0.0)  # 4 streams at 2.5 x target
+    limit = CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=CPU_TARGET)
+    assert not limit.grow_queued(), "no pace measured yet"
+    limit.update(window_at(4, room_for_10, seconds=10.0), 4, 4)
+    assert limit.limit == 8
+    assert limit.grow_queued() and limit.limit == pytest.approx(10, abs=0.01) and limit.reason == GROWTH
+    assert not limit.grow_queued(), "no further than the 10 the pace kept"
+    n = limit.streams
+    limit.update(window_at(n, FAST), n, n)  # the engine far ahead: a window doubles, waiting requests double again
+    assert limit.streams == 19 and limit.grow_queued() and limit.grow_queued() and limit.streams == 64
+    limit.update(window_at(40, FAST), 40, 40, BEHIND)
+    assert not limit.slow_start and not limit.grow_queued(), "past the slow start: a window at a time"
+    waiting = CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=CPU_TARGET)
+    waiting.update(window_at(4, FAST), 4, 4, ListenerWindow(waiting_lag_s=LISTENER_LAG_S))
+    assert waiting.limit == 4 and not waiting.grow_queued(), "a listener waiting: no room shown"

@@ -25,7 +25,17 @@ from llm_server.config import LlmServerConfig
 from llm_server.edge.request_ids import RequestIdFilter
 from megapod.launcher import free_ports
 
-from served import BYTES_PER_SECOND, FRAME_BYTES, ScriptedEngineDouble, baseline, body, pending_tasks, serving, settled
+from served import (
+    BYTES_PER_SECOND,
+    FRAME_BYTES,
+    NOTHING_HELD,
+    ScriptedEngineDouble,
+    baseline,
+    body,
+    pending_tasks,
+    serving,
+    settled,
+)
 
 SETTLE_S = float(os.environ.get("EDGE_SETTLE_S", "10"))  # how long a left stream may take to release everything
 
@@ -124,8 +134,7 @@ async def test_engine_failure_mid_stream_ends_sse_with_an_error_event_and_raw_au
             ok = await client.post("/v1/audio/speech", json=body())
             assert ok.status_code == 200 and len(ok.content) == 40 * FRAME_BYTES
         assert served.outcome("error") == 2
-        assert await settled(served, snac_server, quiet) == dict.fromkeys(
-            ("admission", "per_key", "active_streams", "engine_generators", "codec_streams", "tasks"), 0)
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
     failures = [r for r in caplog.records if "scripted engine failure" in r.getMessage()]
     assert len(failures) == 2 and all(r.exc_info is None for r in failures), "one line per failure, no traceback"
     assert not [r for r in caplog.records if r.name.startswith("uvicorn") and r.levelno >= logging.ERROR]

@@ -82,3 +82,25 @@ async def test_a_clients_pause_between_sentences_is_not_a_gap(snac_server):
         await asyncio.sleep(0.2)
         got = _readings(served)
     assert got["streams"] == 1 and got["underrun_s"] < 0.5, got
+
+
+async def test_streams_whose_listener_at_the_target_pace_waits_cut_the_admission_limit(snac_server):
+    """Admission's signal (capacity.Listeners): two streams whose first audio comes 1.5 s after their text (a long
+    prefill), where a listener at the target pace (0.5) waits 0.3 audio-seconds at most: each falls behind (0.45 s),
+    and the limit is cut for them while the engine's own pace, once decoding, is far ahead. Every listener leaves
+    with its stream."""
+    engine = ScriptedEngineDouble(frames=48, frames_per_batch=2, batch_delay_s=0.01, prefill_s=1.5)
+    async with serving(snac_server, engine, max_streams=8, min_streams=1, initial_streams=4, target_pace=0.5,
+                       capacity_window_s=0.1) as served:
+        admission = served.runtime.admission
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            speaking = [asyncio.create_task(client.post("/v1/audio/speech", json=body())) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            assert len(admission.listeners) == 2
+            assert all(r.status_code == 200 for r in await asyncio.gather(*speaking))
+        get = served.runtime.metrics.registry.get_sample_value
+        assert get("megapod_worker_streams_behind_total") == 2
+        assert get("orpheus_capacity_limit_changes_total", {"reason": "listener_behind"}) == 1
+        assert get("orpheus_capacity_limit_changes_total", {"reason": "pace_below_target"}) == 0
+        assert admission.max_streams == 2, "half the limit: its window admitted 2 streams"
+        assert len(admission.listeners) == 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from codec_contract.audio import SAMPLE_RATE
 
 from ..admission import KEY
+from ..capacity import FIRST_AUDIO_S
 from ..edge.auth import ApiKey
 from ..voices import Voice
 from .encoding import S16_BYTES as SAMPLE_BYTES
@@ -116,12 +117,17 @@ class SpeechSession:
         self.segments = 0  # segments handed to the stream so far; SegmentEnd.index counts the same way
         self._pace = ClientPace(runtime.config.max_client_lag_s)
         self.playback = Playback()  # what a real-time listener would hear of the audio sent
+        self.heard = Playback(runtime.config.resolved_target_pace)  # ... and one at the target pace (admission's)
         self._text_at: collections.deque[float] = collections.deque()  # when each segment not yet spoken was given
         self._speaking_text_at = time.monotonic()  # ... and the one being spoken now
+        self._speaking = False  # a segment's audio is being sent
+        self._first_text_at: float | None = None
+        self._first_wait_s = 0.0  # the target-pace listener's wait for the first audio, past FIRST_AUDIO_S
         self._started = time.perf_counter()
         self._closed = False
         self._cancelled = False  # cancel() was called: a failure after it is only its echo
         self._metrics.active_streams.inc()
+        runtime.admission.listeners.add(self)
 
     @classmethod
     async def open(cls, runtime, spec: SpeechSpec, key: ApiKey | None, request_id: str,
@@ -162,6 +168,8 @@ class SpeechSession:
 
     def _add(self, segment: str) -> None:
         self._text_at.append(time.monotonic())
+        if self._first_text_at is None:
+            self._first_text_at = self._text_at[-1]
         self._stream.add(segment)
         self.segments += 1
 
@@ -193,6 +201,7 @@ class SpeechSession:
         async for text, chunks in self._stream.segments():
             if self._text_at:
                 self._speaking_text_at = self._text_at.popleft()
+            self._speaking = True
             async for chunk in chunks:
                 pcm = chunk.pcm
                 if trimming is not None:
@@ -209,7 +218,9 @@ class SpeechSession:
                         self._metrics.time_to_first_audio.observe(time.perf_counter() - self._started)
                     seconds = len(pcm) / (SAMPLE_BYTES * SAMPLE_RATE)
                     self._metrics.audio_seconds.inc(seconds)
+                    self._heard(seconds)
                     yield Audio(data, seconds)
+            self._speaking = False
             yield self._words(text, segment_start, emitted)
             segment_start = emitted
             yield SegmentEnd(index, text)
@@ -235,6 +246,25 @@ class SpeechSession:
         self._pace.blocked_s += now - started
         self._pace.accepted_s += seconds
         self.playback.sent(now, seconds, self._speaking_text_at)
+
+    def _heard(self, seconds: float) -> None:
+        """Audio ready to send, as the listener at the target pace hears it: when the worker had it, not when a
+        slow client took it (admission judges the worker's pace, not a client's network)."""
+        now = time.monotonic()
+        if not self.heard.started and self._first_text_at is not None:
+            self._first_wait_s = max(0.0, (now - self._first_text_at) * self.heard.pace - FIRST_AUDIO_S)
+        self.heard.sent(now, seconds, self._speaking_text_at)
+
+    def listener_lag_s(self, now: float) -> float:
+        """Audio seconds the listener at the target pace has waited by `now` (capacity.Listeners): for the first
+        audio past FIRST_AUDIO_S after the first text, then for audio owed (text given, not yet all spoken)."""
+        pace = self.heard.pace
+        if not self.heard.started:
+            waited = 0.0 if self._first_text_at is None else (now - self._first_text_at) * pace
+            return max(0.0, waited - FIRST_AUDIO_S)
+        owed_since = self._speaking_text_at if self._speaking else (self._text_at[0] if self._text_at else None)
+        dry = 0.0 if owed_since is None else self.heard.dry_s(now, owed_since)
+        return self._first_wait_s + self.heard.underrun_s + dry
 
     # -- the end --------------------------------------------------------------------------------------
     def failed(self, exc: BaseException) -> bool:
@@ -265,6 +295,7 @@ class SpeechSession:
         if outcome is not None:
             self.outcome = outcome
         await self._stream.close()
+        self._runtime.admission.listeners.remove(self, time.monotonic())
         self._runtime.admission.release(self.key.name if self.key else None)
         self._metrics.active_streams.dec()
         self._metrics.requests.labels(self.outcome).inc()
