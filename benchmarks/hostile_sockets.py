@@ -25,6 +25,10 @@ DOORS = {
     "together": ("/v1/audio/speech/websocket?voice=tara", None,
                  json.dumps({"type": "input_text_buffer.append", "text": " "})),
     "baseten": ("/environments/production/websocket", json.dumps({"voice": "tara"}), " "),
+    "vllm-omni": ("/v1/audio/speech/stream", json.dumps({"type": "session.config", "voice": "tara"}),
+                  json.dumps({"type": "input.text", "text": " "})),
+    "slng": ("/v1/bridges/unmute/tts/canopylabs/orpheus:en", json.dumps({"type": "init", "voice": "tara"}),
+             json.dumps({"type": "text", "text": " "})),
 }
 
 

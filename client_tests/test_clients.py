@@ -189,6 +189,7 @@ from livekit.plugins import cartesia as lk_cartesia  # noqa: E402
 from livekit.plugins import deepgram as lk_deepgram  # noqa: E402
 from livekit.plugins import elevenlabs as lk_elevenlabs  # noqa: E402
 from livekit.plugins import openai as lk_openai  # noqa: E402
+from livekit.plugins import slng as lk_slng  # noqa: E402
 
 
 def livekit(name: str, session: aiohttp.ClientSession, **kw):
@@ -199,6 +200,12 @@ def livekit(name: str, session: aiohttp.ClientSession, **kw):
     if name == "baseten":  # Baseten's Orpheus protocol: the socket, or `predict` for synthesize
         return lk_baseten.TTS(api_key="unused", model_endpoint=f"ws://{HOST}/environments/production/websocket",
                               voice="tara", http_session=session, **kw)
+    if name == "qwen3":  # vLLM-Omni's speech socket, the plugin's qwen3-tts protocol: given by its full URL
+        return lk_baseten.TTS(api_key="unused", model="qwen3-tts", model_endpoint=f"ws://{HOST}/v1/audio/speech/stream",
+                              voice="tara", http_session=session, **kw)
+    if name == "slng":  # SLNG's Unmute Bridge: the plugin builds ws://<host>/v1/bridges/unmute/tts/<model> locally
+        return lk_slng.TTS(api_key="unused", model="canopylabs/orpheus:en", slng_base_url=HOST, voice="tara",
+                           http_session=session, **kw)
     if name == "elevenlabs":
         return lk_elevenlabs.TTS(api_key="unused", base_url=f"{URL}/v1", voice_id="tara", http_session=session,
                                  **{"encoding": "pcm_24000", **kw})
@@ -216,11 +223,11 @@ def _marker(ev) -> bool:
     return ev.is_final and frame.samples_per_channel == frame.sample_rate // 100 and not any(bytes(frame.data))
 
 
-@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs"])
+@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs", "qwen3", "slng"])
 async def test_livekit_synthesize_and_stream(name):
     async with aiohttp.ClientSession() as session:
         tts = livekit(name, session)
-        synthesized = [ev async for ev in tts.synthesize(TEXT)]  # HTTP: /tts/bytes, POST /v1/speak
+        synthesized = [ev async for ev in tts.synthesize(TEXT)]  # HTTP: /tts/bytes, POST /v1/speak; or the socket
         async with tts.stream() as stream:  # the WebSocket
             stream.push_text(TEXT)
             stream.flush()
@@ -292,7 +299,7 @@ async def test_livekit_elevenlabs_in_its_default_mp3():
         assert events and all(ev.frame.sample_rate == 22050 for ev in events) and samples_of(events) > 0
 
 
-@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs", "baseten"])
+@pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs", "baseten", "qwen3", "slng"])
 async def test_livekit_stream_closed_mid_speech_frees_the_engine_and_codec(name):
     before = requests_ended("disconnected") + requests_ended("cancelled")
     async with aiohttp.ClientSession() as session:

@@ -1,5 +1,5 @@
-"""The worker's HTTP app: the six front doors (doors/: OpenAI, Cartesia, Deepgram, ElevenLabs, Baseten, Together,
-WebSockets and HTTP), voices and models, health, readiness and metrics, behind the edge's guards (edge/).
+"""The worker's HTTP app: the eight front doors (doors/: OpenAI, Cartesia, Deepgram, ElevenLabs, Baseten, Together,
+vLLM-Omni, SLNG; WebSockets and HTTP), voices and models, health, readiness and metrics, behind the edge's guards (edge/).
 
 Every front door is a thin adapter over a SpeechSession (speech/session.py). Client mistakes become 4xx
 with an OpenAI-shaped error body here, at the edge; the rest of the tier raises typed errors.
@@ -24,7 +24,7 @@ from orpheus_common.playground import playground
 
 from . import clones
 from .config import LlmServerConfig
-from .doors import baseten, cartesia, deepgram, elevenlabs, models, openai, together
+from .doors import baseten, cartesia, deepgram, elevenlabs, models, openai, slng, together, vllm_omni
 from .edge import request_ids
 from .edge.auth import ApiKeyMiddleware, ApiKeys
 from .edge.body_limit import BodyLimitMiddleware
@@ -119,7 +119,7 @@ def create_app(config: LlmServerConfig, runtime: Runtime | None = None) -> FastA
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error_response(400, f"invalid request body: {where or 'body'}: {first.get('msg', 'malformed')}", where)
 
-    for routes in (openai, cartesia, deepgram, elevenlabs, baseten, together, models, clones):
+    for routes in (openai, cartesia, deepgram, elevenlabs, baseten, together, vllm_omni, slng, models, clones):
         app.include_router(routes.router)
 
     @app.get("/v1/voices")

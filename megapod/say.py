@@ -1,8 +1,8 @@
 """`megapod say`: speak text through any running endpoint, by any of its front doors, and save or pipe the audio.
 
 `openai` (the default) posts to /v1/audio/speech and takes the format asked for; the socket doors speak their
-own protocol as their vendors' clients do (Cartesia's, Deepgram's and ElevenLabs' WebSockets, Baseten's) and
-give 24 kHz PCM, written raw or in a WAV file."""
+own protocol as their vendors' clients do (Cartesia's, Deepgram's and ElevenLabs' WebSockets, Baseten's, Together's,
+vLLM-Omni's speech socket, SLNG's Unmute Bridge) and give 24 kHz PCM, written raw or in a WAV file."""
 
 from __future__ import annotations
 
@@ -150,8 +150,40 @@ def _together(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
                 return
 
 
+def _vllm_omni(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/v1/audio/speech/stream") as ws:
+        _send(ws, json.dumps({"type": "session.config", "voice": voice, "response_format": "pcm",
+                              "stream_audio": True}))
+        _send(ws, json.dumps({"type": "input.text", "text": text}))
+        _send(ws, json.dumps({"type": "input.done"}))
+        for message in ws:
+            if isinstance(message, bytes):
+                yield message
+            elif (event := json.loads(message))["type"] == "error":
+                raise RuntimeError(f"vllm-omni door: {event.get('message')}")
+            elif event["type"] == "session.done":
+                _send(ws, json.dumps({"type": "session.close"}))
+                return
+
+
+def _slng(ws_base: str, text: str, voice: str) -> Iterator[bytes]:
+    with connect(f"{ws_base}/v1/bridges/unmute/tts/canopylabs/orpheus:en") as ws:
+        _send(ws, json.dumps({"type": "init", "model": "canopylabs/orpheus:en", "voice": voice,
+                              "config": {"encoding": "linear16", "sample_rate": SAMPLE_RATE}}))
+        _send(ws, json.dumps({"type": "text", "text": text}))
+        _send(ws, json.dumps({"type": "flush"}))
+        for event in map(json.loads, ws):
+            if event["type"] == "error":
+                raise RuntimeError(f"slng door: {event.get('message')}")
+            if event["type"] == "audio_chunk":
+                yield base64.b64decode(event["data"])
+            elif event["type"] == "flushed":
+                _send(ws, json.dumps({"type": "close"}))
+                return
+
+
 SOCKET_DOORS = {"cartesia": _cartesia, "deepgram": _deepgram, "elevenlabs": _elevenlabs, "baseten": _baseten,
-                "together": _together}
+                "together": _together, "vllm-omni": _vllm_omni, "slng": _slng}
 
 
 def say(endpoint: str, text: str, voice: str, out: BinaryIO, response_format: str, seed: int | None,

@@ -3,10 +3,12 @@ capacity (each worker's replies say how many more streams it would admit: its me
 active streams), then the fewest active streams; a worker at its limit (429) passes an HTTP request to
 the next one.
 
-Every front door is relayed: OpenAI's POST /v1/audio/speech, the Cartesia-, Deepgram- and
-ElevenLabs-compatible WebSockets (/tts/websocket, /v1/speak, /v1/text-to-speech/{voice}/multi-stream-input
-and /stream-input) both ways, message by message, and their HTTP twins (POST /tts/bytes, /v1/speak,
-/v1/text-to-speech/{voice}[/stream[/with-timestamps]]), query strings included. Responses stream as they
+Every front door is relayed: OpenAI's POST /v1/audio/speech, the WebSockets (Cartesia's /tts/websocket,
+Deepgram's /v1/speak, ElevenLabs' /v1/text-to-speech/{voice}/multi-stream-input and /stream-input, Baseten's
+/environments/{env}/websocket, Together's /v1/audio/speech/websocket, vLLM-Omni's /v1/audio/speech/stream, SLNG's
+/v1/bridges/unmute/tts/{model}) both ways, message by message, and the HTTP twins (POST /tts/bytes, /v1/speak,
+/v1/text-to-speech/{voice}[/stream[/with-timestamps]], /environments/{env}/predict), query strings included; the
+voice lists (GET /v1/voices, Cartesia's GET /voices) from any worker. Responses stream as they
 come. A client that disconnects closes the upstream request or socket at once, so the worker aborts
 generation. API keys are the workers' business: the front passes the headers each protocol
 authenticates with (`Authorization`, `X-API-Key`, `xi-api-key`) and `X-Request-Id`, and relays refusals
@@ -84,7 +86,7 @@ SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak", "/v1/text-to-spee
                 "/environments/{environment}/predict")
 SOCKETS = ("/tts/websocket", "/v1/speak", "/v1/text-to-speech/{voice_id}/multi-stream-input",
            "/v1/text-to-speech/{voice_id}/stream-input", "/environments/{environment}/websocket",
-           "/v1/audio/speech/websocket")
+           "/v1/audio/speech/websocket", "/v1/audio/speech/stream", "/v1/bridges/unmute/tts/{model:path}")
 MAX_STREAMS = 4096  # streams relayed at once, by default (FrontConfig.max_streams)
 PROBE_EVERY_S = 1.0  # each worker's /ready is probed this often, in the background
 PROBE_TIMEOUT_S = 2.0
@@ -392,6 +394,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         app.add_api_websocket_route(path, relay_socket)
 
     @app.get("/v1/voices")
+    @app.get("/voices")  # Cartesia's List Voices
     async def voices(request: Request) -> Response:
         return await _forward(client, pool, request)
 
@@ -476,11 +479,12 @@ async def _forward(client: httpx.AsyncClient, pool: WorkerPool, request: Request
                    timeout: float = 5.0) -> Response:
     """The request, to the first worker that takes it (the next one if a worker cannot be reached)."""
     headers = _passed(request)
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     if body:
         headers["content-type"] = request.headers.get("content-type", "application/octet-stream")
     for url in pool.order():
         try:
-            reply = await client.request(request.method, f"{url}{request.url.path}", content=body or None,
+            reply = await client.request(request.method, f"{url}{target}", content=body or None,
                                          headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.ConnectError) or request.method == "GET":

@@ -62,10 +62,12 @@ async def test_closing_the_socket_mid_speech_is_a_barge_in_that_frees_everything
     (["[1, 2]"], 1008, "a message must be a JSON object"),
     ([json.dumps({"voice": "thalia"})], 1008, "unknown voice 'thalia'"),
     ([json.dumps({"voice": 7})], 1008, "voice must be a string"),
+    ([json.dumps({"type": "session.config", "voice": "tara"})], 1008, "its socket is /v1/audio/speech/stream"),
     ([b"\x00\x01"], 1003, "not a binary frame"),
     ([METADATA, "Hi. ", b"\x00"], 1003, "binary frames are not part of this protocol"),
     ([METADATA, "x" * 4000, "y" * 200], 1008, "over 4096 characters of text"),
-], ids=["not-json", "not-object", "unknown-voice", "voice-not-string", "binary-metadata", "binary-text", "too-long"])
+], ids=["not-json", "not-object", "unknown-voice", "voice-not-string", "qwen3-config", "binary-metadata", "binary-text",
+        "too-long"])
 async def test_hostile_input_gets_an_error_frame_and_a_close_with_nothing_held(snac_server, messages, code, said):
     async with serving(snac_server, ScriptedEngineDouble(frames=FRAMES)) as served:
         quiet = await baseline(served, snac_server)

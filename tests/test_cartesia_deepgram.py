@@ -1,6 +1,6 @@
 """The Cartesia- and Deepgram-compatible front doors, against the in-process worker (engine double, real
 codec server): contexts, timestamps, encodings, barge-in, capacity, auth, and hostile input that gets
-the protocol's error and leaves nothing held."""
+the protocol's error and leaves nothing held; Cartesia's GET /voices."""
 
 from __future__ import annotations
 
@@ -14,7 +14,20 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, cartesia, serving, settled, ws_url
+from served import (
+    FRAME_BYTES,
+    NOTHING_HELD,
+    ScriptedEngineDouble,
+    baseline,
+    cartesia,
+    serve_app,
+    serving,
+    settled,
+    ws_url,
+)
+
+from llm_server.voices import CLONE, Voice
+from orpheus_front.front import create_front_app
 
 FRAME_SAMPLES = 2048
 
@@ -306,3 +319,49 @@ async def test_an_engine_failure_mid_stream_is_reported_on_both_sockets(snac_ser
             error = json.loads(message)
             assert error["type"] == "Error" and error["err_code"] == "SYNTHESIS_FAILED", error
         assert await settled(served, snac_server, quiet) == NOTHING_HELD
+
+
+async def test_cartesia_list_voices_pages_the_registry_in_cartesia_s_shape_on_the_worker_and_the_front(snac_server):
+    """GET /voices as Cartesia's List Voices: {data, has_more, next_page}, each Voice an id the socket's
+    voice: {mode: "id", id} takes; cursors both ways, the filters; a clone (the registry's own voice) is the owner's."""
+    async with serving(snac_server, ScriptedEngineDouble(frames=4)) as served, \
+            serve_app(create_front_app([served.url])) as front_port:
+        served.runtime.voices.update_own([Voice("mine", CLONE, None)])
+        names = served.runtime.voices.names()
+        async with httpx.AsyncClient(timeout=30) as client:
+            for base in (served.url, f"http://127.0.0.1:{front_port}"):
+                page = (await client.get(f"{base}/voices", params={"limit": 3})).json()
+                assert [v["id"] for v in page["data"]] == names[:3]
+                assert page["has_more"] and page["next_page"] == names[2]
+                assert set(page["data"][0]) >= {"id", "name", "description", "is_owner", "is_public", "language",
+                                                "created_at"}
+                rest = (await client.get(f"{base}/voices", params={"limit": 100, "starting_after": names[2]})).json()
+                assert [v["id"] for v in rest["data"]] == names[3:]
+                assert not rest["has_more"] and rest["next_page"] is None
+                back = (await client.get(f"{base}/voices", params={"limit": 2, "ending_before": names[3]})).json()
+                assert [v["id"] for v in back["data"]] == names[1:3] and back["has_more"]
+                owned = (await client.get(f"{base}/voices", params={"is_owner": "true"})).json()["data"]
+                assert owned == [{"id": "mine", "name": "mine", "description": "Orpheus clone voice mine",
+                                  "is_owner": True, "is_public": False, "language": None, "gender": None,
+                                  "created_at": None}]
+                assert [v["id"] for v in (await client.get(f"{base}/voices", params={"q": "LE"})).json()["data"]] == \
+                    [n for n in names if "le" in n]
+                english = (await client.get(f"{base}/voices", params={"language": "en_US", "limit": 100})).json()
+                assert [v["id"] for v in english["data"]] == [n for n in names if n != "mine"]
+                assert (await client.get(f"{base}/voices", params={"gender": "feminine"})).json()["data"] == []
+                for params, said in (({"limit": 0}, "limit"), ({"starting_after": "nobody"}, "starting_after")):
+                    refused = await client.get(f"{base}/voices", params=params)
+                    assert refused.status_code == 400 and said in refused.json()["error"]["message"]
+        async with connect(ws_url(served, "/tts/websocket")) as ws:  # a listed id is a voice the socket speaks
+            await ws.send(cartesia("c1", "Hi.", more=False).replace('"tara"', f'"{names[3]}"'))
+            assert json.loads(await ws.recv())["type"] == "chunk"
+
+
+async def test_cartesia_list_voices_takes_the_key_as_cartesia_s_clients_send_it(snac_server, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("agent:cartesia-key-01\n")
+    async with serving(snac_server, ScriptedEngineDouble(frames=4), api_keys_file=str(keys)) as served, \
+            httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+        assert (await client.get("/voices")).status_code == 401
+        listed = await client.get("/voices", headers={"X-API-Key": "cartesia-key-01", "Cartesia-Version": "2025-04-16"})
+        assert listed.status_code == 200 and listed.json()["data"][0]["id"] == served.runtime.voices.names()[0]

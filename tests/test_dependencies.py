@@ -127,7 +127,8 @@ def test_the_front_extra_is_what_the_front_imports():
 
 
 # -- the rooms of llm_server, and no import circle ---------------------------------------------------------------
-DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten", "together")  # the protocols; http/sockets/models are their kit
+# The protocols; http/sockets/models are their kit.
+DOORS = ("openai", "cartesia", "deepgram", "elevenlabs", "baseten", "together", "vllm_omni", "slng")
 
 
 def test_circles_are_found():

@@ -1,6 +1,7 @@
 """The voice-agent frameworks' TTS clients, unchanged, against the real stack (the session's `megapod up`:
-the front, two workers on vLLM, two codec replicas) by the front's base URL: Pipecat's Cartesia, Deepgram and OpenAI services and LiveKit's
-cartesia, deepgram and openai plugins; and the official ElevenLabs and OpenAI SDKs over TLS, through a second front
+the front, two workers on vLLM, two codec replicas) by the front's base URL: Pipecat's Cartesia, Deepgram and
+OpenAI services and LiveKit's cartesia, deepgram, openai, baseten (Orpheus's protocol, and qwen3-tts: vLLM-Omni's
+socket) and slng plugins; and the official ElevenLabs and OpenAI SDKs over TLS, through a second front
 over the same workers (`megapod front --ssl-certfile/--ssl-keyfile`, with `megapod up --tls-dir`'s local CA, which
 the clients trust through SSL_CERT_FILE). They live in .venv-clients (client_tests/requirements.txt,
 installed by `make test`): Pipecat pins protobuf<7, this project's grpcio stack needs protobuf>=7.35.

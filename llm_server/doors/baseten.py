@@ -12,7 +12,9 @@ PCM streamed as it is decoded.
 
 Refused in the protocol's shape: on the socket a text frame `{"type": "error", "message"}`, then close (1008
 for a bad message or voice, 1003 for a binary frame, 1013 when the worker is full); over HTTP the usual error
-body. The voice goes through the voice registry (Baseten's are Orpheus's own names): unknown is refused.
+body. The voice goes through the voice registry (Baseten's are Orpheus's own names): unknown is refused. A first
+message that is a `session.config` (the plugin's qwen3-tts protocol, whose Baseten URL has this same path) is
+refused with the path of that protocol's own door (doors/vllm_omni.py), not read as metadata.
 Not supported: buffer_size (this server speaks each sentence as it ends, whatever the word count), max_tokens
 (each sentence gets the budget its length needs), temperature and language (ignored: the worker's sampling,
 the voice's language). Keys: `Authorization: Api-Key <key>`, as the plugin sends it.
@@ -84,7 +86,11 @@ class BasetenSocket:
             await self._refuse(UNSUPPORTED_DATA, "the first message is the JSON metadata, not a binary frame")
             return None
         try:
-            voice = self.runtime.voices.named(parse_message(first).get("voice"))
+            metadata = parse_message(first)
+            if metadata.get("type") == "session.config":  # LiveKit's qwen3-tts protocol, pointed at the wrong door
+                raise ValueError("a session.config is vLLM-Omni's protocol (baseten.TTS(model='qwen3-tts')): its "
+                                 "socket is /v1/audio/speech/stream")
+            voice = self.runtime.voices.named(metadata.get("voice"))
         except (ValueError, UnknownVoice) as exc:
             await self._refuse(BAD_MESSAGE, f"the first message must be the JSON metadata {{voice, max_tokens, "
                                             f"buffer_size}}: {exc}")

@@ -8,7 +8,9 @@ max_buffer_delay_ms, generation_config, flush}` and `{context_id, cancel: true}`
 its context_id: `chunk` (base64 audio), `timestamps` (word_timestamps, a proportional approximation),
 `flush_done` (with `flush_id`, counting from 1) after the audio of the text a `flush: true` spoke,
 `done` after a context's last chunk, `error` (never with `done: true`: LiveKit would take it for the
-end). POST /tts/bytes speaks one transcript and streams the bytes (raw, wav or mp3).
+end). POST /tts/bytes speaks one transcript and streams the bytes (raw, wav or mp3). GET /voices lists the
+registry's voices as Cartesia's List Voices does ({data, has_more, next_page}; limit, starting_after, ending_before,
+q, is_owner, gender, language): a voice's id is its name, the one `voice: {mode: "id", id}` takes.
 
 Not supported: voice embeddings (refused), `generation_config` speed other than 1 (refused),
 emotion, volume and language (ignored: Orpheus takes inline tags such as <laugh>).
@@ -31,7 +33,7 @@ from codec_contract.audio import SAMPLE_RATE
 from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
 from ..speech.session import Audio, Refused, SegmentEnd, SpeechSession, SpeechSpec, Words
-from ..voices import UnknownVoice
+from ..voices import CLONE, UnknownVoice, Voice
 from .http import speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
@@ -246,6 +248,44 @@ async def cartesia_websocket(ws: WebSocket) -> None:
         return
     runtime, key = accepted
     await CartesiaSocket(ws, runtime, key).run()
+
+
+@router.get("/voices")
+async def cartesia_voices(request: Request, limit: int = 10, starting_after: str | None = None,
+                          ending_before: str | None = None, q: str | None = None, is_owner: bool | None = None,
+                          gender: str | None = None, language: str | None = None) -> dict:
+    """Cartesia's List Voices: the registry's voices as Cartesia's Voice objects, a page at a time."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit must be between 1 and 100", "limit")
+    voices = listed_voices(request.app.state.runtime.voices.voices, q, is_owner, gender, language)
+    ids = [v["id"] for v in voices]
+    for cursor, name in ((starting_after, "starting_after"), (ending_before, "ending_before")):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(400, f"{name}: no voice {cursor!r} in this list", name)
+    if ending_before is not None:
+        end = ids.index(ending_before)
+        page, more = voices[max(0, end - limit):end], end > limit
+    else:
+        start = ids.index(starting_after) + 1 if starting_after is not None else 0
+        page, more = voices[start:start + limit], start + limit < len(voices)
+    return {"data": page, "has_more": more, "next_page": page[-1]["id"] if more and page else None}
+
+
+def listed_voices(voices: list[Voice], q: str | None, is_owner: bool | None, gender: str | None,
+                  language: str | None) -> list[dict]:
+    """The voices a List Voices query matches, as Cartesia's Voice objects. The server's voices are public; clones
+    are its owner's (made through POST /v1/voices). No voice's gender is recorded: a gender filter matches none."""
+    found = []
+    wanted = language.replace("_", "-").split("-")[0].lower() if language else None  # en_GB and en-GB: en
+    for v in voices:
+        owned = v.kind == CLONE
+        if (q and q.lower() not in v.name.lower()) or (is_owner and not owned) or gender \
+                or (wanted and (v.language or "").split("-")[0].lower() != wanted):
+            continue
+        found.append({"id": v.name, "name": v.name, "description": f"Orpheus {v.kind} voice {v.name}",
+                      "is_owner": owned, "is_public": not owned, "language": v.language, "gender": None,
+                      "created_at": None})
+    return found
 
 
 @router.post("/tts/bytes")

@@ -1,5 +1,6 @@
-"""What the socket doors (Cartesia, Deepgram, ElevenLabs, Baseten, Together) share: a socket accepted or refused at
-connect, one writer per socket, the message budget, text limits, and how a context's audio ends and is stopped."""
+"""What the socket doors (Cartesia, Deepgram, ElevenLabs, Baseten, Together, vLLM-Omni, SLNG) share: a socket accepted
+or refused at connect, one writer per socket, the message budget, text limits, and how a context's audio ends and is
+stopped."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Optional API keys on /v1/* and /tts/* (HTTP and WebSocket handshakes), each key name with its own
-stream cap. Each protocol's clients send the key their own way: `Authorization: Bearer` (OpenAI),
-`Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia), `xi-api-key`
-(ElevenLabs), `Authorization: Api-Key` (Baseten, whose paths are /environments/*).
+"""Optional API keys on /v1/*, /tts/* and /voices (HTTP and WebSocket handshakes), each key name with its own
+stream cap. Each protocol's clients send the key their own way: `Authorization: Bearer` (OpenAI, SLNG),
+`Authorization: Token` (Deepgram), `X-API-Key` or an `api_key` query parameter (Cartesia, whose voice list is
+/voices), `xi-api-key` (ElevenLabs), `Authorization: Api-Key` (Baseten, whose paths are /environments/*, and
+LiveKit's Baseten plugin on vLLM-Omni's /v1/audio/speech/stream).
 
 The keys file holds lines `name:key[:max_streams[:permissions]]` (`#` comments and blank lines allowed);
 permissions, comma-separated, grant more than speaking: `voices` creates and deletes voices (clones.py). A
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEY = re.compile(r"\S{8,512}")
-PROTECTED_PREFIXES = ("/v1/", "/tts/", "/environments/")
+PROTECTED_PREFIXES = ("/v1/", "/tts/", "/environments/", "/voices")
 PERMISSIONS = frozenset({"voices"})
 
 
@@ -143,7 +144,7 @@ def presented_key(scope: Scope) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI, ahead of the body: requests to /v1/* or /tts/* without a known key get 401 before
+    """Pure ASGI, ahead of the body: requests to a protected path without a known key get 401 before
     their body is read (a WebSocket handshake gets 403); an accepted key goes to the endpoint as
     `request.state.api_key` (`websocket.state.api_key`)."""
 

@@ -12,8 +12,9 @@ that gets none for `stall_timeout_s` fails over as if the replica had died, and 
 pings take a silent replica's connection down, so new streams stop being sent to it. One that
 falls behind is only measured: each chunk of owed audio adds its length (and a frame's) and the wait
 for it to the client's sums, whose ratio over many chunks is the pace the codec tier delivers at while
-it owes audio; admission judges that pace (runtime.py), as it reads the failovers. A chunk slower than
-`target_pace` on its own is counted late (a metric), but a few of those in a burst say little.
+it owes audio (exported as two counters, runtime.py); admission reads the failovers, and each stream's
+listener rather than this pace (capacity.Listeners). A chunk slower than `target_pace` on its own is
+counted late (a metric), but a few of those in a burst say little.
 
 TLS (`tls_ca`, optional client certificate) is read when the channel is built; when the files
 change, the next stream gets a new channel and the old one closes once its streams are done.
@@ -103,7 +104,7 @@ class CodecClient:
         self._channel = self._connect()
         self._stub = codec_pb2_grpc.SnacCodecStub(self._channel)
         self._retired: set[grpc.aio.Channel] = set()  # old channels letting their streams finish
-        # Of every stream so far: the codec tier's trouble and headroom, which admission reads.
+        # Of every stream so far: the codec tier's trouble and pace (metrics; admission reads the failovers).
         self.failovers = 0
         self.deliveries = 0  # chunks of owed audio received
         self.late = 0  # of them, those that came slower than the target pace

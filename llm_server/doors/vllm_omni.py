@@ -1,0 +1,271 @@
+"""vLLM-Omni's streaming speech WebSocket, so LiveKit's baseten.TTS(model="qwen3-tts") works unchanged (read from
+livekit-plugins-baseten 1.8.9, livekit/plugins/baseten/qwen3_tts.py; the server's side from vLLM-Omni's
+vllm_omni/entrypoints/openai/serving_speech_stream.py). The plugin takes the socket's full URL (model_endpoint).
+
+WebSocket /v1/audio/speech/stream: `session.config` first ({voice, response_format: "pcm", stream_audio, speed,
+timestamp_type: "word", ...}; sticky, and sent again between utterances to change it), then `input.text` ({text})
+pieces and `input.done`: the text since the last input.done is one utterance, its own SpeechSession (admitted on
+its own), spoken sentence by sentence as each ends, and utterances play in order. For each sentence: `audio.start`
+({utterance_index, sentence_index, format: "pcm", sample_rate: 24000, channels: 1}) with its first audio, binary
+frames of PCM (s16le, 24 kHz, mono), then `audio.done` ({utterance_index, sentence_index, sentence_text,
+total_bytes, error: false}; with timestamp_type "word" or word_timestamps, also `timestamp_info: {word_alignment:
+{words, word_start_times_seconds, word_end_times_seconds}}` in seconds from the sentence's start, the other doors'
+proportional approximation); after an utterance's audio, `session.done` ({utterance_index, total_sentences}). An
+input.done with nothing before it answers session.done in its turn (the plugin's keep-alive). `session.close` lets
+what was sent play out, then closes (1000). A client that closes the socket is a barge-in (how the plugin abandons
+a turn): every utterance's engine request and codec stream go at once.
+
+Refused in the protocol's shape, `{"type": "error", "message"}`: a first message that is not a session.config this
+server can serve closes the socket after it (1008), as vLLM-Omni ends a malformed handshake; later, malformed JSON,
+an unknown type, a binary frame, text over --max-input-chars in one utterance, too many utterances waiting, and a
+session.config mid-utterance or refused (the one before stays) are refused and the socket lives on. `voice.add` is
+refused: clones are made with POST /v1/voices, then named in session.config's voice; `voice.list` answers
+{voices, uploaded_voices}. Not supported: response formats other than pcm, speed other than 1 and inline cloning
+(ref_audio) are refused; task_type, language, instructions, max_new_tokens, initial_codec_chunk_frames,
+x_vector_only_mode and split_granularity are ignored (every sentence is spoken as it ends). Keys: `Authorization:
+Api-Key` (as the plugin sends it) or Bearer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, WebSocket
+
+from codec_contract.audio import SAMPLE_RATE
+
+from ..speech.encoding import AudioOutput
+from ..speech.session import Audio, Refused, SegmentEnd, SpeechSession, SpeechSpec, Words
+from ..voices import CLONE, UnknownVoice
+from .http import trim_of
+from .sockets import (
+    MAX_CONTEXTS,
+    SocketGone,
+    SocketWriter,
+    accept,
+    client_messages,
+    context_audio,
+    parse_message,
+    refuse_socket,
+    stop_sessions,
+)
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+PCM = AudioOutput("pcm")  # what the plugin plays: s16le at 24 kHz
+BYTES_PER_SECOND = 2 * SAMPLE_RATE
+CLOSE = object()  # session.close's place in the queue of utterances
+
+
+class BadConfig(ValueError):
+    """A session.config this server cannot serve."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a session.config asked for, resolved."""
+
+    spec: SpeechSpec
+    timestamps: bool
+
+
+def config_of(message: dict, runtime) -> Config:
+    """A session.config's settings; BadConfig for what this server cannot do."""
+    try:
+        voice = runtime.voices.named(message.get("voice"))
+    except UnknownVoice as exc:
+        raise BadConfig(str(exc)) from None
+    if message.get("response_format", "pcm") != "pcm":
+        raise BadConfig(f"response_format {message.get('response_format')!r} is not supported: this server streams pcm")
+    if message.get("speed") not in (None, 1, 1.0):
+        raise BadConfig("speed other than 1 is not supported: Orpheus speaks at its own pace")
+    if message.get("ref_audio"):
+        raise BadConfig("inline cloning (ref_audio) is not supported: make a clone with POST /v1/voices, then name it "
+                        "in voice")
+    timestamps = message.get("timestamp_type") == "word" or message.get("word_timestamps") is True
+    return Config(SpeechSpec(voice, 0, PCM, trim_of(runtime.config)), timestamps)  # each utterance its own seed
+
+
+class OmniSocket:
+    """One client socket: its config, and its utterances, played in order by one sender task."""
+
+    def __init__(self, ws: WebSocket, runtime, key) -> None:
+        self.ws, self.runtime, self.key = ws, runtime, key
+        self.out = SocketWriter(ws)
+        self.config: Config | None = None
+        self.current: SpeechSession | None = None  # the utterance receiving input.text
+        self.current_chars = 0
+        self.utterances = 0  # input.done so far: the next utterance's index
+        self.queue: asyncio.Queue = asyncio.Queue()  # (index, session or None), or CLOSE
+        self.live: list[SpeechSession] = []  # every utterance not yet played out
+        self.sender = asyncio.create_task(self._play())
+
+    async def run(self) -> None:
+        try:
+            async for text in client_messages(self.ws, self.out, self.runtime, self._error):
+                if text is None:
+                    await self._refuse_or_tell("binary frames are not part of this protocol: send JSON text")
+                    continue
+                try:
+                    message = parse_message(text)
+                except ValueError as exc:
+                    await self._refuse_or_tell(f"malformed message: {exc}")
+                    continue
+                if await self._handle(message):
+                    await asyncio.shield(self.sender)  # what was sent plays out, then the close
+                    return
+        finally:
+            await self._stop_all("disconnected")
+
+    async def _handle(self, message: dict) -> bool:
+        """One message; True once session.close has been queued."""
+        kind = message.get("type")
+        if kind == "session.config":
+            await self._configure(message)
+        elif self.config is None:
+            await self._refuse_or_tell(f"Expected session.config, got: {kind}")
+        elif kind == "input.text":
+            text = message.get("text")
+            if not isinstance(text, str):
+                await self._error("input.text requires a string value")
+            elif text:
+                await self._text(text)
+        elif kind == "input.done":
+            self._done()
+        elif kind == "session.close":
+            if self.current is not None:  # text sent without its input.done is spoken too
+                self._done()
+            self.queue.put_nowait(CLOSE)
+            return True
+        elif kind == "voice.add":
+            await self._error("voice.add is not supported on this socket: make a clone with POST /v1/voices "
+                              "(multipart: audio, transcript, name), then name it in session.config's voice")
+        elif kind == "voice.list":
+            voices = self.runtime.voices.voices
+            await self.out.tell({"type": "voice.list", "voices": [v.name for v in voices if v.kind != CLONE],
+                                 "uploaded_voices": [v.name for v in voices if v.kind == CLONE]})
+        else:
+            await self._error(f"Unknown message type: {kind}")
+        return False
+
+    async def _configure(self, message: dict) -> None:
+        if self.current is not None:
+            await self._error("session.config cannot be applied while an utterance is in progress; send input.done "
+                              "first")
+            return
+        try:
+            self.config = config_of(message, self.runtime)
+        except BadConfig as exc:
+            await self._refuse_or_tell(f"Invalid session config: {exc}")
+
+    async def _text(self, text: str) -> None:
+        if self.current is None:
+            if len(self.live) >= MAX_CONTEXTS:
+                await self._error(f"{MAX_CONTEXTS} utterances are already waiting to be spoken")
+                return
+            try:
+                spec = dataclasses.replace(self.config.spec, seed=random.getrandbits(31))
+                self.current = await SpeechSession.open(self.runtime, spec, self.key,
+                                                        f"vllm-omni-{uuid.uuid4().hex[:16]}")
+            except Refused as exc:
+                await self._error(str(exc))
+                return
+            self.current_chars = 0
+            self.live.append(self.current)
+            self.queue.put_nowait((self.utterances, self.current))
+        self.current_chars += len(text)
+        if self.current_chars > self.runtime.config.max_input_chars:
+            await self._error(f"over {self.runtime.config.max_input_chars} characters in one utterance")
+            return
+        self.current.push(text)
+
+    def _done(self) -> None:
+        """input.done: the utterance's text is all there (nothing sent: session.done in its turn)."""
+        if self.current is not None:
+            self.current.end_input()
+            self.current = None
+        else:
+            self.queue.put_nowait((self.utterances, None))
+        self.utterances += 1
+
+    async def _play(self) -> None:
+        """Each utterance's sentences in order, then its session.done; session.close's place, the close."""
+        try:
+            while (item := await self.queue.get()) is not CLOSE:
+                index, session = item
+                sentences = await self._play_utterance(index, session) if session is not None else 0
+                await self.out.json({"type": "session.done", "utterance_index": index, "total_sentences": sentences})
+            await self.out.close(1000)
+        except SocketGone:  # the client left: what is still queued stops (run() releases it)
+            for session in list(self.live):
+                session.cancel("disconnected")
+
+    async def _play_utterance(self, index: int, session: SpeechSession) -> int:
+        """One utterance's audio, each sentence framed by audio.start and audio.done; the sentences spoken."""
+        sentence = {"utterance_index": index, "sentence_index": 0}
+        started, sent, before, words = False, 0, 0, None
+        try:
+            async with context_audio(session, self.out, self._report):
+                async for item in session.events():
+                    if isinstance(item, Audio):
+                        if not started:
+                            started = True
+                            await self.out.json({"type": "audio.start", **sentence, "format": "pcm",
+                                                 "sample_rate": SAMPLE_RATE, "channels": 1})
+                        await session.send(lambda: self.out.bytes(item.data), item.seconds)
+                        sent += len(item.data)
+                    elif isinstance(item, Words):
+                        words = item
+                    elif isinstance(item, SegmentEnd):
+                        if not started:  # a sentence with no audio: the pair still goes out, as vLLM-Omni's does
+                            await self.out.json({"type": "audio.start", **sentence, "format": "pcm"})
+                        await self.out.json(self._audio_done(sentence, item.text, sent - before, words,
+                                                             before / BYTES_PER_SECOND))
+                        sentence = {"utterance_index": index, "sentence_index": item.index + 1}
+                        started, before, words = False, sent, None
+        finally:
+            if session in self.live:
+                self.live.remove(session)
+            await session.close()
+        return sentence["sentence_index"]
+
+    def _audio_done(self, sentence: dict, text: str, total_bytes: int, words: Words | None, origin: float) -> dict:
+        done = {"type": "audio.done", **sentence, "sentence_text": text, "total_bytes": total_bytes, "error": False}
+        if self.config is not None and self.config.timestamps and words is not None:
+            done["timestamp_info"] = {"word_alignment": {
+                "words": words.words,
+                "word_start_times_seconds": [max(0.0, round(s - origin, 3)) for s in words.starts],
+                "word_end_times_seconds": [max(0.0, round(e - origin, 3)) for e in words.ends]}}
+        return done
+
+    async def _report(self, text: str, bad_input: bool) -> None:
+        await self._error(text)
+
+    async def _refuse_or_tell(self, text: str) -> None:
+        """Before a config is in force the socket cannot be used: the error, then 1008; after, the error alone."""
+        if self.config is None:
+            await refuse_socket(self.out, {"type": "error", "message": text}, text[:120])
+        else:
+            await self._error(text)
+
+    async def _stop_all(self, outcome: str) -> None:
+        """A vanished client: every utterance stops now and releases what it holds."""
+        self.current = None
+        await stop_sessions(self.live, self.sender, outcome)
+
+    async def _error(self, text: str) -> None:
+        await self.out.tell({"type": "error", "message": text})
+
+
+@router.websocket("/v1/audio/speech/stream")
+async def vllm_omni_websocket(ws: WebSocket) -> None:
+    if (accepted := await accept(ws)) is None:
+        return
+    runtime, key = accepted
+    await OmniSocket(ws, runtime, key).run()
