@@ -39,8 +39,8 @@ from .sockets import (
     SocketWriter,
     accept,
     client_messages,
-    context_audio,
     parse_message,
+    queued_audio,
     refuse_socket,
     stop_sessions,
 )
@@ -189,17 +189,12 @@ class DeepgramSocket:
                 session.cancel("disconnected")
 
     async def _play_group(self, session: SpeechSession) -> None:
-        """One group's audio, ended as every socket door's context is (sockets.context_audio); a client gone or cut
+        """One group's audio, ended as every socket door's context is (sockets.queued_audio); a client gone or cut
         off is seen by _play's next send."""
-        try:
-            async with context_audio(session, self.out, self._report):
-                async for item in session.events():
-                    if isinstance(item, Audio):
-                        await session.send(lambda: self.out.bytes(item.data), item.seconds)
-        finally:
-            if session in self.live:
-                self.live.remove(session)
-            await session.close()
+        async with queued_audio(session, self.out, self._report, self.live):
+            async for item in session.events():
+                if isinstance(item, Audio):
+                    await session.send(lambda: self.out.bytes(item.data), item.seconds)
 
     async def _report(self, text: str, bad_input: bool) -> None:
         await self._error("INPUT_TOO_LONG" if bad_input else "SYNTHESIS_FAILED", text)

@@ -45,8 +45,8 @@ from .sockets import (
     SocketWriter,
     accept,
     client_messages,
-    context_audio,
     parse_message,
+    queued_audio,
     refuse_socket,
     stop_sessions,
 )
@@ -187,19 +187,14 @@ class SlngSocket:
                 session.cancel("disconnected")
 
     async def _play_group(self, session: SpeechSession) -> None:
-        try:
-            async with context_audio(session, self.out, self._report):
-                async for item in session.events():
-                    if isinstance(item, Audio):
-                        self.sequence += 1
-                        chunk = {"type": "audio_chunk", "data": base64.b64encode(item.data).decode(),
-                                 "sequence": self.sequence}
-                        await session.send(lambda: self.out.json(chunk), item.seconds)
-                        self.seconds += item.seconds
-        finally:
-            if session in self.live:
-                self.live.remove(session)
-            await session.close()
+        async with queued_audio(session, self.out, self._report, self.live):
+            async for item in session.events():
+                if isinstance(item, Audio):
+                    self.sequence += 1
+                    chunk = {"type": "audio_chunk", "data": base64.b64encode(item.data).decode(),
+                             "sequence": self.sequence}
+                    await session.send(lambda: self.out.json(chunk), item.seconds)
+                    self.seconds += item.seconds
 
     async def _report(self, text: str, bad_input: bool) -> None:
         await self._error("invalid_request" if bad_input else "backend_error", text)

@@ -154,6 +154,20 @@ async def context_audio(session: SpeechSession, out: SocketWriter,
             await report(str(exc) if bad_input else f"speech generation failed: {exc}", bad_input)
 
 
+@contextlib.asynccontextmanager
+async def queued_audio(session: SpeechSession, out: SocketWriter, report: Callable[[str, bool], Awaitable[None]],
+                       live: list[SpeechSession]) -> AsyncIterator[None]:
+    """context_audio for a session a socket plays in its turn (Deepgram's and SLNG's flush groups, vLLM-Omni's
+    utterances): however it ends, it leaves `live` (those not yet played out) and releases what it holds."""
+    try:
+        async with context_audio(session, out, report):
+            yield
+    finally:
+        if session in live:
+            live.remove(session)
+        await session.close()
+
+
 async def stop_context(session: SpeechSession, sender: asyncio.Task | None, outcome: str) -> None:
     """Stop a context's audio now and release what it holds: engine request, codec stream, slot."""
     await stop_sessions([session], sender, outcome)

@@ -49,8 +49,8 @@ from .sockets import (
     SocketWriter,
     accept,
     client_messages,
-    context_audio,
     parse_message,
+    queued_audio,
     refuse_socket,
     stop_sessions,
 )
@@ -210,29 +210,24 @@ class OmniSocket:
         """One utterance's audio, each sentence framed by audio.start and audio.done; the sentences spoken."""
         sentence = {"utterance_index": index, "sentence_index": 0}
         started, sent, before, words = False, 0, 0, None
-        try:
-            async with context_audio(session, self.out, self._report):
-                async for item in session.events():
-                    if isinstance(item, Audio):
-                        if not started:
-                            started = True
-                            await self.out.json({"type": "audio.start", **sentence, "format": "pcm",
-                                                 "sample_rate": SAMPLE_RATE, "channels": 1})
-                        await session.send(lambda: self.out.bytes(item.data), item.seconds)
-                        sent += len(item.data)
-                    elif isinstance(item, Words):
-                        words = item
-                    elif isinstance(item, SegmentEnd):
-                        if not started:  # a sentence with no audio: the pair still goes out, as vLLM-Omni's does
-                            await self.out.json({"type": "audio.start", **sentence, "format": "pcm"})
-                        await self.out.json(self._audio_done(sentence, item.text, sent - before, words,
-                                                             before / BYTES_PER_SECOND))
-                        sentence = {"utterance_index": index, "sentence_index": item.index + 1}
-                        started, before, words = False, sent, None
-        finally:
-            if session in self.live:
-                self.live.remove(session)
-            await session.close()
+        async with queued_audio(session, self.out, self._report, self.live):
+            async for item in session.events():
+                if isinstance(item, Audio):
+                    if not started:
+                        started = True
+                        await self.out.json({"type": "audio.start", **sentence, "format": "pcm",
+                                             "sample_rate": SAMPLE_RATE, "channels": 1})
+                    await session.send(lambda: self.out.bytes(item.data), item.seconds)
+                    sent += len(item.data)
+                elif isinstance(item, Words):
+                    words = item
+                elif isinstance(item, SegmentEnd):
+                    if not started:  # a sentence with no audio: the pair still goes out, as vLLM-Omni's does
+                        await self.out.json({"type": "audio.start", **sentence, "format": "pcm"})
+                    await self.out.json(self._audio_done(sentence, item.text, sent - before, words,
+                                                         before / BYTES_PER_SECOND))
+                    sentence = {"utterance_index": index, "sentence_index": item.index + 1}
+                    started, before, words = False, sent, None
         return sentence["sentence_index"]
 
     def _audio_done(self, sentence: dict, text: str, total_bytes: int, words: Words | None, origin: float) -> dict:
