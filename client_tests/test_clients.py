@@ -60,6 +60,30 @@ def whole_frames(samples: int) -> bool:
     return samples > 0 and samples % FRAME == 0
 
 
+def tone_wav(seconds: float) -> bytes:
+    """A reference recording: a 220 Hz tone, 24 kHz mono s16 WAV."""
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * 24000)) / 24000
+    tone = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(tone.tobytes())
+    return wav.getvalue()
+
+
+def listed_by_every_worker(voice: str) -> None:
+    """Wait until every worker lists a voice one of them made (they share `megapod up`'s voices directory)."""
+    for worker in (m.removesuffix("/metrics") for m in WORKER_METRICS):
+        deadline = time.monotonic() + 30
+        while voice not in [v["id"] for v in httpx.get(f"{worker}/v1/voices").json()["data"]]:
+            assert time.monotonic() < deadline, f"{worker} never listed {voice}"
+            time.sleep(0.2)
+
+
 # ---------------------------------------------------------------------------------------- Pipecat
 
 pipecat = pytest.importorskip("pipecat")
@@ -114,24 +138,10 @@ async def test_pipecat_elevenlabs_http_service_speaks():
 def clone_voice():
     """A clone voice made through the front (POST /v1/voices) from a generated WAV, listed by every worker (they
     share `megapod up`'s voices directory) before the tests use it; deleted after."""
-    import io
-    import wave
-
-    import numpy as np
-
-    t = np.arange(24000) / 24000
-    tone = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
-    wav = io.BytesIO()
-    with wave.open(wav, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(tone.tobytes())
     made = httpx.post(f"{URL}/v1/voices", data={"name": "agent-clone", "transcript": "A tone, one second long."},
-                      files={"audio": ("reference.wav", wav.getvalue(), "audio/wav")}, timeout=120)
+                      files={"audio": ("reference.wav", tone_wav(1.0), "audio/wav")}, timeout=120)
     assert made.status_code == 201, made.text
-    for worker in (m.removesuffix("/metrics") for m in WORKER_METRICS):
-        deadline = time.monotonic() + 30
-        while "agent-clone" not in [v["id"] for v in httpx.get(f"{worker}/v1/voices").json()["data"]]:
-            assert time.monotonic() < deadline, f"{worker} never listed the clone"
-            time.sleep(0.2)
+    listed_by_every_worker("agent-clone")
     yield "agent-clone"
     assert httpx.delete(f"{URL}/v1/voices/agent-clone").status_code == 200
 
@@ -265,6 +275,33 @@ async def test_livekit_deepgram_speaks_in_a_clone_voice(clone_voice):
         events = [ev async for ev in tts.synthesize(TEXT)]
         await tts.aclose()
     assert events and whole_frames(samples_of(events))
+
+
+async def test_livekit_qwen3_registers_a_clone_over_the_socket_and_speaks_in_it(tmp_path):
+    """The plugin's own register_voice (voice.add first on a socket of its own, the recording in base64: over the
+    socket's usual 64 KiB) and list_voices, then qwen3-tts speaking in the clone; deleted after."""
+    endpoint = f"ws://{HOST}/v1/audio/speech/stream"
+    reference = tmp_path / "reference.wav"
+    reference.write_bytes(tone_wav(2.0))
+    voice = await lk_baseten.register_voice(model_endpoint=endpoint, name="omni-clone", ref_audio_path=str(reference),
+                                            ref_text="A tone, two seconds long.", api_key="unused")
+    try:
+        assert voice["name"] == "omni-clone" and voice["kind"] == "clone"
+        listed_by_every_worker("omni-clone")
+        listed = await lk_baseten.list_voices(model_endpoint=endpoint, api_key="unused")
+        assert "omni-clone" in listed["uploaded_voices"]
+        async with aiohttp.ClientSession() as session:
+            tts = lk_baseten.TTS(api_key="unused", model="qwen3-tts", model_endpoint=endpoint, voice="omni-clone",
+                                 http_session=session)
+            async with tts.stream() as stream:
+                stream.push_text(TEXT)
+                stream.flush()
+                stream.end_input()
+                events = [ev async for ev in stream]
+            await tts.aclose()
+        assert events and whole_frames(samples_of(events))
+    finally:
+        assert httpx.delete(f"{URL}/v1/voices/omni-clone").status_code == 200
 
 
 @pytest.mark.parametrize("model, response_format", [

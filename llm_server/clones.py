@@ -1,5 +1,6 @@
-"""Clone voices (zero-shot): POST /v1/voices makes one from a reference recording and its transcript,
-DELETE /v1/voices/{name} removes it.
+"""Clone voices (zero-shot): POST /v1/voices makes one from a reference recording and its transcript (as does
+vLLM-Omni's socket, its `voice.add`: doors/vllm_omni.py, through the same `make_clone`), DELETE /v1/voices/{name}
+removes it.
 
 The recording (any format PyAV reads) is decoded, mixed to mono and resampled to 24 kHz with soxr in a process
 of its own, within bounds and a deadline (reference_audio.py: the event loop serves streams meanwhile), and encoded
@@ -25,12 +26,14 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 
 from codec_contract.audio import SAMPLE_RATE
 
+from .edge.auth import ApiKey
 from .edge.errors import ApiError
 from .reference_audio import ReferenceRefused, UploadsBusy
 from .speech.codec_client import CodecError
@@ -46,8 +49,8 @@ VOICES_PERMISSION = "voices"  # what a key needs, in the keys file, to create an
 ROOM_FOR_A_SENTENCE = 64 + MIN_SPEECH_TOKENS
 
 
-def _may_change_voices(request: Request) -> None:
-    key = getattr(request.state, "api_key", None)  # set when API keys are on
+def _may_change_voices(key: ApiKey | None) -> None:
+    """403 for a key without the voices permission; `key` is None when API keys are off."""
     if key is not None and VOICES_PERMISSION not in key.permissions:
         raise ApiError(403, f"the key {key.name!r} may not create or delete voices (keys file: "
                             f"name:key:max_streams:{VOICES_PERMISSION})", code="permission_denied")
@@ -70,8 +73,16 @@ def _writable(root: Path) -> None:
 @router.post("/v1/voices", status_code=201)
 async def create_voice(request: Request, audio: UploadFile = File(...), transcript: str = Form(...),
                        name: str = Form(...), language: str | None = Form(None)) -> dict:
-    runtime = request.app.state.runtime
-    _may_change_voices(request)
+    key = getattr(request.state, "api_key", None)  # set when API keys are on
+    return await make_clone(request.app.state.runtime, key, name, transcript, language, audio.read)
+
+
+async def make_clone(runtime, key: ApiKey | None, name: str, transcript: str, language: str | None,
+                     audio: Callable[[], Awaitable[bytes]]) -> dict:
+    """The one way a clone voice is made (POST /v1/voices; vLLM-Omni's voice.add): checked, decoded, encoded,
+    written whole and read by this worker; the voice's description, or ApiError saying why, nothing written.
+    `audio()` gives the recording's bytes, asked for only once the name is known to be free."""
+    _may_change_voices(key)
     root = _voices_dir(runtime)
     await asyncio.to_thread(_writable, root)
     config = runtime.config
@@ -86,7 +97,7 @@ async def create_voice(request: Request, audio: UploadFile = File(...), transcri
         if not free or runtime.voices.get(name) is not None or await asyncio.to_thread((root / name).exists):
             raise ApiError(409, f"a voice named {name!r} exists; DELETE /v1/voices/{name} first", "name", "voice_exists")
         try:
-            pcm = await runtime.reference_decoder.decode(await audio.read())
+            pcm = await runtime.reference_decoder.decode(await audio())
         except ReferenceRefused as exc:
             raise ApiError(400, str(exc), "audio") from None
         except UploadsBusy as exc:
@@ -111,7 +122,7 @@ async def create_voice(request: Request, audio: UploadFile = File(...), transcri
 @router.delete("/v1/voices/{name}")
 async def delete_voice(request: Request, name: str) -> dict:
     runtime = request.app.state.runtime
-    _may_change_voices(request)
+    _may_change_voices(getattr(request.state, "api_key", None))
     root = _voices_dir(runtime)
     await asyncio.to_thread(_writable, root)
     await runtime.refresh_voices()  # another worker may have deleted it since this one last looked

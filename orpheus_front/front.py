@@ -81,6 +81,10 @@ KEEPALIVE = 20  # idle connections kept to the workers (httpx's default)
 # the front only drops a flood the worker has not stopped, and closes it (orpheus_common/socket_budget.py).
 RELAY_LIMITS = SocketLimits(messages_per_s=400.0, message_burst=2000.0, bytes_per_s=512 * 1024.0,
                             byte_burst=2048 * 1024.0, patience_s=1.0)
+# Sockets whose protocol carries a whole recording in one message (vLLM-Omni's voice.add): there a message over the
+# relay's byte burst costs the whole burst (one per refill) and is passed on, for the worker to judge against its own
+# bound (llm_server/doors/vllm_omni.py) and answer in the door's protocol, rather than dropped unanswered here.
+LARGE_MESSAGE_SOCKETS = ("/v1/audio/speech/stream",)
 SPEECH_POSTS = ("/v1/audio/speech", "/tts/bytes", "/v1/speak", "/v1/text-to-speech/{voice_id}",
                 "/v1/text-to-speech/{voice_id}/stream", "/v1/text-to-speech/{voice_id}/stream/with-timestamps",
                 "/environments/{environment}/predict")
@@ -621,6 +625,7 @@ def _forget_series(*metrics: Gauge | Counter) -> Callable[[str], None]:
 async def _pump_both_ways(ws: WebSocket, upstream) -> None:
     budget = SocketBudget(RELAY_LIMITS)
     over_budget = False  # the front's decision to close: 1008 to both sides
+    most = RELAY_LIMITS.byte_burst if ws.url.path in LARGE_MESSAGE_SOCKETS else float("inf")  # a message's most cost
 
     async def client_to_worker() -> None:
         while True:
@@ -628,7 +633,7 @@ async def _pump_both_ways(ws: WebSocket, upstream) -> None:
             if message["type"] == "websocket.disconnect":
                 return
             data = message["text"] if message.get("text") is not None else message["bytes"]
-            verdict = budget.admit(len(data))
+            verdict = budget.admit(min(len(data), most))
             if verdict == SocketBudget.CLOSE:
                 log.warning("a client socket on %s went on over the relay's budget (%d messages dropped): closed",
                             ws.url.path, budget.refused)

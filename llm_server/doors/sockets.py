@@ -91,25 +91,32 @@ async def refuse_socket(out: SocketWriter, message: dict, reason: str) -> None:
     await out.close(POLICY_VIOLATION, reason)
 
 
-async def client_messages(ws: WebSocket, out: SocketWriter, runtime,
-                          refuse: Callable[[str], Awaitable[None]]) -> AsyncIterator[str | None]:
+async def client_messages(ws: WebSocket, out: SocketWriter, runtime, refuse: Callable[[str], Awaitable[None]],
+                          max_chars: int = MAX_MESSAGE_CHARS) -> AsyncIterator[str | None]:
     """The text of each message the client sends (None for a binary frame), until it goes, within the socket's
     budget (orpheus_common/socket_budget.py): a message over it is dropped unread, `refuse(why)` tells the client in
     the door's protocol once an episode, the socket is not read until the budget has room again, and a flood that
-    goes on is closed with 1008."""
-    budget = SocketBudget(runtime.config.socket_limits)
+    goes on is closed with 1008. `max_chars`: the door's largest message (vLLM-Omni's voice.add carries a recording);
+    one up to it but over the budget's byte burst costs the whole burst, so it passes only on a socket that has sent
+    little for a while (one per burst's refill), and the door judges it."""
+    limits = runtime.config.socket_limits
+    budget = SocketBudget(limits)
     try:
         while not out.gone:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
                 return
             text = message.get("text")
-            verdict = budget.admit(len(text) if text is not None else len(message.get("bytes") or b""))
+            size = len(text) if text is not None else len(message.get("bytes") or b"")
+            verdict = budget.admit(min(size, limits.byte_burst) if size <= max_chars else size)
+            message = None  # nothing of a message is kept past its turn: a voice.add's is a whole recording
             if verdict == SocketBudget.OK:
                 yield text
+                text = None
                 # Queued messages are received without a pause: a backlog must not hold the loop from other streams.
                 await asyncio.sleep(0)
                 continue
+            text = None
             if verdict == SocketBudget.CLOSE:
                 runtime.metrics.socket_refused.labels("closed").inc()
                 log.warning("a client socket on %s went on over its budget (%d messages refused): closed", ws.url.path,
@@ -124,10 +131,10 @@ async def client_messages(ws: WebSocket, out: SocketWriter, runtime,
         return
 
 
-def parse_message(text: str) -> dict:
+def parse_message(text: str, max_chars: int = MAX_MESSAGE_CHARS) -> dict:
     """A client's JSON message; ValueError with the reason when it is not one."""
-    if len(text) > MAX_MESSAGE_CHARS:
-        raise ValueError(f"message of {len(text)} characters is over the limit of {MAX_MESSAGE_CHARS}")
+    if len(text) > max_chars:
+        raise ValueError(f"message of {len(text)} characters is over the limit of {max_chars}")
     message = json.loads(text)
     if not isinstance(message, dict):
         raise ValueError("a message must be a JSON object")
