@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from .capacity import CapacityLimit, ListenerWindow, Listeners, PaceMeter, Window
+from .capacity import CapacityLimit, Listeners, ListenerWindow, PaceMeter, Window
 
 CAPACITY = "capacity"
 KEY = "key"
