@@ -7,25 +7,39 @@ limit admits (as the ceiling admits while the limit is in its slow start: a cold
 no sign of overload), then is refused (HTTP 429 with Retry-After): a slot that frees goes to the longest waiting,
 not to whoever knocks first (a closed-loop client ending one stream asks again at once and would keep
 its slot forever, refused clients never getting one). Never more streams than the limit: slowing every
-stream to fit one more breaks all. An API key name may have a cap of its own, on top of the worker's
-(its waiting requests count against it).
+stream to fit one more breaks all. Past the limit's slow start, streams also start at most at the limit's worth
+per START_RAMP_S (below): a burst waits in the same queue. An API key name may have a cap of its own, on top of
+the worker's (its waiting requests count against it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Callable
 
 from .capacity import CapacityLimit, Listeners, ListenerWindow, PaceMeter, Window
 
 CAPACITY = "capacity"
 KEY = "key"
+# Past the slow start, streams start at most at the limit's worth per START_RAMP_S of audio time (at the target
+# pace), from a bucket holding at most START_BURST of the limit: a stream's start (its prompt's prefill, its first
+# rows at the codec) costs the shared cores more than its decoding, and a burst of the limit's worth within a second
+# ran dry the streams it admitted first while the rest started (issue 43's overload levels: 48 and 72 clients over
+# 2 s, and the admitted streams that ran past the buffer were the level's first; a pinned limit's levels start the
+# same streams over 2 s and keep them). 0.2 s of audio is within a first audio's 0.3 s (capacity.FIRST_AUDIO_S):
+# a start the ramp delays is still in time. 2 s at a CPU's 0.1x target, 0.19 s at a GPU's. Not in the slow start:
+# a cold worker's first burst must reach the capacity before its queue's deadline.
+START_RAMP_S = 0.2
+START_BURST = 0.25
 
 
 class AdmissionController:
     """Counts active streams against the capacity limit (and per key name); not thread-safe (one event loop)."""
 
-    def __init__(self, limit: CapacityLimit, meter: PaceMeter, listeners: Listeners | None = None) -> None:
+    def __init__(self, limit: CapacityLimit, meter: PaceMeter, listeners: Listeners | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.meter = meter
         # The admitted streams, as their listeners at the target pace hear them (capacity.Listeners).
@@ -35,6 +49,10 @@ class AdmissionController:
         self.active_per_key: dict[str, int] = {}  # admitted and waiting, per key name
         self._peak = 0  # the most streams admitted at once this window
         self._queue: deque[asyncio.Future[None]] = deque()  # waiting for a slot, longest first
+        self._clock = clock
+        self._starts = float("inf")  # streams that may start now past the slow start (START_RAMP_S's bucket; full)
+        self._starts_at = clock()  # when the bucket was last filled
+        self._paced: asyncio.TimerHandle | None = None  # the hand-out waiting for the bucket
 
     @property
     def queued(self) -> int:
@@ -51,12 +69,14 @@ class AdmissionController:
         """Streams that would be admitted now (what the front routes by)."""
         return max(0, self.limit.streams - self.active)
 
-    def admit(self, key: str | None = None, key_limit: int = 0) -> str | None:
+    def admit(self, key: str | None = None, key_limit: int = 0, paced: bool = True) -> str | None:
         """Take a slot now (and one of `key`'s, if it has a limit); None when admitted, else which
-        limit refused: KEY or CAPACITY."""
+        limit refused: KEY or CAPACITY (`paced`: also when the starts' ramp has no room now)."""
         if key_limit and self.active_per_key.get(key, 0) >= key_limit:
             return KEY
         if not self.free or self._queue:  # the waiting go first
+            return CAPACITY
+        if paced and not self._may_start():
             return CAPACITY
         self._count_key(key, +1)
         self._take()
@@ -65,13 +85,17 @@ class AdmissionController:
     async def enter(self, key: str | None = None, key_limit: int = 0, wait_s: float = 0.0) -> str | None:
         """admit(), waiting up to `wait_s` in the queue for a slot when none is free (and the queue is
         shorter than the limit, or the ceiling in the slow start); None when admitted, else which limit refused."""
-        refused = self.admit(key, key_limit)
+        if wait_s <= 0:  # no queue to pace a burst in: only the limit
+            refused = self.admit(key, key_limit, paced=False)
+        else:
+            refused = self.admit(key, key_limit)
         room = max(self.limit.streams, self.limit.ceiling - self.active) if self.limit.slow_start else self.limit.streams
         if refused != CAPACITY or wait_s <= 0 or len(self._queue) >= room:
             return refused
         slot = asyncio.get_running_loop().create_future()
         self._queue.append(slot)
         self._count_key(key, +1)
+        self._hand_out()  # a slot free but the ramp full: handed out once it has room
         try:
             await asyncio.wait({slot}, timeout=wait_s)
         except asyncio.CancelledError:  # the client went away while waiting
@@ -93,10 +117,44 @@ class AdmissionController:
         self._peak = max(self._peak, self.active)
 
     def _hand_out(self) -> None:
-        """Slots free under the limit go to the waiting, in order."""
+        """Slots free under the limit go to the waiting, in order, as the starts' ramp allows (else once it does)."""
         while self._queue and self.limit.streams > self.active:
+            if not self._may_start():
+                self._hand_out_later()
+                return
             self._queue.popleft().set_result(None)
             self._take()
+
+    def _may_start(self) -> bool:
+        """Whether a stream may start now (START_RAMP_S), taking its place in the ramp if so."""
+        if self.limit.slow_start:
+            return True
+        now = self._clock()
+        self._starts = min(self._start_burst, self._starts + (now - self._starts_at) * self._start_rate)
+        self._starts_at = now
+        if self._starts < 1.0:
+            return False
+        self._starts -= 1.0
+        return True
+
+    @property
+    def _start_rate(self) -> float:
+        """Starts a second: the limit's worth per START_RAMP_S of audio time."""
+        return self.limit.streams * self.limit.target_pace / START_RAMP_S
+
+    @property
+    def _start_burst(self) -> float:
+        return max(1.0, START_BURST * self.limit.streams)
+
+    def _hand_out_later(self) -> None:
+        """One hand-out waits for the ramp's next start at a time."""
+        if self._paced is None:
+            wait = (1.0 - self._starts) / self._start_rate
+            self._paced = asyncio.get_running_loop().call_later(wait, self._paced_hand_out)
+
+    def _paced_hand_out(self) -> None:
+        self._paced = None
+        self._hand_out()
 
     def _leave(self, slot: asyncio.Future[None], key: str | None) -> None:
         """A wait ended without its stream: out of the queue, or the slot it was just handed given back."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from llm_server.admission import CAPACITY, KEY, AdmissionController
+from llm_server.admission import CAPACITY, KEY, START_RAMP_S, AdmissionController
 from llm_server.capacity import (
     CODEC_FAILOVER,
     GROWTH,
@@ -579,3 +579,34 @@ def test_a_cold_limit_with_requests_waiting_doubles_between_windows_up_to_what_t
     waiting = CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=CPU_TARGET)
     waiting.update(window_at(4, FAST), 4, 4, ListenerWindow(waiting_lag_s=LISTENER_LAG_S))
     assert waiting.limit == 4 and not waiting.grow_queued(), "a listener waiting: no room shown"
+
+
+async def test_past_the_slow_start_a_burst_starts_at_the_limits_worth_per_ramp_in_order():
+    """Issue 43's overload levels: the limit's worth of streams admitted within a second ran dry the first of them
+    while the rest started. Past the slow start a quarter of the limit starts at once, the rest wait in the queue and
+    start at the limit's worth per START_RAMP_S of audio time (0.19 s at this target), in the order they came."""
+    admission = _admission(20)
+    admission.limit.update(window_at(20, FAST), 20, 20, BEHIND)
+    assert admission.max_streams == 18 and not admission.limit.slow_start
+    started = time.monotonic()
+    order: list[int] = []
+
+    async def stream(i: int) -> None:
+        assert await admission.enter(wait_s=30) is None
+        order.append(i)
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(18)]
+    await asyncio.sleep(0)
+    assert admission.active == 4 and admission.queued == 14, "a quarter of the limit at once, the rest wait"
+    await asyncio.gather(*tasks)
+    rate = 18 * TARGET / START_RAMP_S
+    assert time.monotonic() - started >= 13 / rate, "no faster than the ramp"
+    assert order == list(range(18)) and admission.active == 18
+    cold = _admission(18)
+    tasks = [asyncio.create_task(cold.enter(wait_s=30)) for _ in range(18)]
+    await asyncio.sleep(0)
+    assert cold.active == 18 and cold.queued == 0, "in the slow start a burst starts at once"
+    await asyncio.gather(*tasks)
+    unqueued = _admission(20)
+    unqueued.limit.update(window_at(20, FAST), 20, 20, BEHIND)
+    assert all([await unqueued.enter(wait_s=0) is None for _ in range(18)]), "no queue to pace in: only the limit"
