@@ -233,16 +233,21 @@ def _marker(ev) -> bool:
     return ev.is_final and frame.samples_per_channel == frame.sample_rate // 100 and not any(bytes(frame.data))
 
 
+async def stream_text(tts) -> list:
+    """TEXT through the plugin's stream (its WebSocket): pushed, flushed and ended; the events it gave."""
+    async with tts.stream() as stream:
+        stream.push_text(TEXT)
+        stream.flush()
+        stream.end_input()
+        return [ev async for ev in stream]
+
+
 @pytest.mark.parametrize("name", ["cartesia", "deepgram", "elevenlabs", "qwen3", "slng"])
 async def test_livekit_synthesize_and_stream(name):
     async with aiohttp.ClientSession() as session:
         tts = livekit(name, session)
         synthesized = [ev async for ev in tts.synthesize(TEXT)]  # HTTP: /tts/bytes, POST /v1/speak; or the socket
-        async with tts.stream() as stream:  # the WebSocket
-            stream.push_text(TEXT)
-            stream.flush()
-            stream.end_input()
-            streamed = [ev async for ev in stream]
+        streamed = await stream_text(tts)  # the WebSocket
         await tts.aclose()
     for events in (synthesized, streamed):
         assert events and all(ev.frame.sample_rate == 24000 and ev.frame.num_channels == 1 for ev in events)
@@ -253,11 +258,7 @@ async def test_livekit_baseten_streams_over_its_socket_and_synthesizes_over_pred
     """The plugin picks its transport by the endpoint's scheme: ws:// streams, http:// posts to predict."""
     async with aiohttp.ClientSession() as session:
         streaming = livekit("baseten", session)
-        async with streaming.stream() as stream:
-            stream.push_text(TEXT)
-            stream.flush()
-            stream.end_input()
-            streamed = [ev async for ev in stream]
+        streamed = await stream_text(streaming)
         await streaming.aclose()
         http = lk_baseten.TTS(api_key="unused", model_endpoint=f"{URL}/environments/production/predict", voice="leo",
                               http_session=session)
@@ -293,11 +294,7 @@ async def test_livekit_qwen3_registers_a_clone_over_the_socket_and_speaks_in_it(
         async with aiohttp.ClientSession() as session:
             tts = lk_baseten.TTS(api_key="unused", model="qwen3-tts", model_endpoint=endpoint, voice="omni-clone",
                                  http_session=session)
-            async with tts.stream() as stream:
-                stream.push_text(TEXT)
-                stream.flush()
-                stream.end_input()
-                events = [ev async for ev in stream]
+            events = await stream_text(tts)
             await tts.aclose()
         assert events and whole_frames(samples_of(events))
     finally:
