@@ -85,10 +85,7 @@ class AdmissionController:
     async def enter(self, key: str | None = None, key_limit: int = 0, wait_s: float = 0.0) -> str | None:
         """admit(), waiting up to `wait_s` in the queue for a slot when none is free (and the queue is
         shorter than the limit, or the ceiling in the slow start); None when admitted, else which limit refused."""
-        if wait_s <= 0:  # no queue to pace a burst in: only the limit
-            refused = self.admit(key, key_limit, paced=False)
-        else:
-            refused = self.admit(key, key_limit)
+        refused = self.admit(key, key_limit, paced=wait_s > 0)  # no queue to pace a burst in: only the limit
         room = max(self.limit.streams, self.limit.ceiling - self.active) if self.limit.slow_start else self.limit.streams
         if refused != CAPACITY or wait_s <= 0 or len(self._queue) >= room:
             return refused

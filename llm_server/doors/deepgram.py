@@ -16,7 +16,6 @@ default voice, with a Warning, unless vendor_voice_fallback is off: then an Erro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import re
@@ -30,19 +29,19 @@ from codec_contract.audio import SAMPLE_RATE
 
 from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput, UnsupportedOutput
-from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
+from ..speech.session import Audio, SpeechSession, SpeechSpec
 from ..voices import UnknownVoice, Voice, VoiceRegistry
 from .http import speak_whole, text_body, trim_of
 from .sockets import (
     MAX_CONTEXTS,
-    SocketGone,
+    NotSpoken,
     SocketWriter,
+    Turns,
     accept,
     client_messages,
     parse_message,
     queued_audio,
     refuse_socket,
-    stop_sessions,
 )
 
 log = logging.getLogger(__name__)
@@ -93,17 +92,13 @@ def settings_of(query, voices: VoiceRegistry, encodings: dict[str, str]) -> Sett
 
 
 class DeepgramSocket:
-    """One client socket: the flush groups it sent, played in order by one sender task."""
+    """One client socket: the flush groups it sent, played in order (sockets.Turns)."""
 
     def __init__(self, ws: WebSocket, runtime, key, settings: Settings) -> None:
-        self.ws, self.runtime, self.key, self.settings = ws, runtime, key, settings
+        self.ws, self.runtime, self.settings = ws, runtime, settings
         self.out = SocketWriter(ws)
-        self.current: SpeechSession | None = None  # the group receiving Speak text
-        self.groups: asyncio.Queue[SpeechSession | None] = asyncio.Queue()
-        self.live: list[SpeechSession] = []  # every group not yet played out
-        self.current_chars = 0
         self.flushes = self.played = 0
-        self.sender = asyncio.create_task(self._play())
+        self.groups = Turns(self.out, runtime, key, self._play_group)
 
     async def run(self) -> None:
         request_id = uuid.uuid4().hex
@@ -125,7 +120,7 @@ class DeepgramSocket:
                 if closing:
                     return
         finally:
-            await self._stop_all("disconnected")
+            await self.groups.stop("disconnected")
 
     async def _handle(self, message: dict) -> bool:
         """One message; True once the socket should close."""
@@ -138,17 +133,12 @@ class DeepgramSocket:
                 await self._speak(text)
         elif kind == "Flush":
             self.flushes += 1
-            if self.current is not None:
-                self.current.end_input()
-                self.current = None
-            else:  # nothing to speak: Flushed at once, in order after what plays
-                self.groups.put_nowait(None)
+            self.groups.end()  # nothing to speak: Flushed at once, in order after what plays
         elif kind == "Clear":
-            await self._stop_all("cancelled")
-            self.sender = asyncio.create_task(self._play())
+            await self.groups.clear()
             await self.out.tell({"type": "Cleared", "sequence_id": self.flushes})
         elif kind == "Close":
-            await self._stop_all("cancelled")
+            await self.groups.stop("cancelled")
             await self.out.close(1000)
             return True
         else:
@@ -156,54 +146,34 @@ class DeepgramSocket:
         return False
 
     async def _speak(self, text: str) -> None:
-        if self.current is None:
-            if len(self.live) >= MAX_CONTEXTS:
-                await self._error("TOO_MANY_REQUESTS", f"{MAX_CONTEXTS} flushes are already waiting to play")
-                return
-            spec = SpeechSpec(self.settings.voice, random.getrandbits(31), self.settings.output, trim_of(self.runtime.config))
-            try:
-                self.current = await SpeechSession.open(self.runtime, spec, self.key, f"deepgram-{uuid.uuid4().hex[:16]}")
-            except Refused as exc:
-                await self._error("TOO_MANY_REQUESTS", str(exc))
-                return
-            self.current_chars = 0
-            self.live.append(self.current)
-            self.groups.put_nowait(self.current)
-        self.current_chars += len(text)
-        if self.current_chars > self.runtime.config.max_input_chars:
-            await self._error("INPUT_TOO_LONG", f"over {self.runtime.config.max_input_chars} characters before a Flush")
-            return
-        self.current.push(text)
+        def spec() -> SpeechSpec:
+            return SpeechSpec(self.settings.voice, random.getrandbits(31), self.settings.output,
+                              trim_of(self.runtime.config))
 
-    async def _play(self) -> None:
-        """Each group's audio in order, then its Flushed; a Flush with nothing to speak, just Flushed."""
         try:
-            while True:
-                group = await self.groups.get()
-                if group is not None:
-                    await self._play_group(group)
-                self.played += 1
-                await self.out.json({"type": "Flushed", "sequence_id": self.played})
-        except SocketGone:  # the client left: what is still queued stops (run() releases it)
-            for session in list(self.live):
-                session.cancel("disconnected")
+            await self.groups.text(text, spec, f"deepgram-{uuid.uuid4().hex[:16]}")
+        except NotSpoken as exc:
+            if exc.kind == NotSpoken.BUSY:
+                await self._error("TOO_MANY_REQUESTS", f"{MAX_CONTEXTS} flushes are already waiting to play")
+            elif exc.kind == NotSpoken.REFUSED:
+                await self._error("TOO_MANY_REQUESTS", str(exc))
+            else:
+                await self._error("INPUT_TOO_LONG", f"over {self.runtime.config.max_input_chars} characters before a "
+                                                    "Flush")
 
-    async def _play_group(self, session: SpeechSession) -> None:
-        """One group's audio, ended as every socket door's context is (sockets.queued_audio); a client gone or cut
-        off is seen by _play's next send."""
-        async with queued_audio(session, self.out, self._report, self.live):
-            async for item in session.events():
-                if isinstance(item, Audio):
-                    await session.send(lambda: self.out.bytes(item.data), item.seconds)
+    async def _play_group(self, _tag, session: SpeechSession | None) -> None:
+        """One group's audio, ended as every socket door's context is (sockets.queued_audio), then its Flushed (a
+        Flush with nothing to speak: just Flushed); a client gone or cut off is seen by the next send."""
+        if session is not None:
+            async with queued_audio(session, self.out, self._report, self.groups.live):
+                async for item in session.events():
+                    if isinstance(item, Audio):
+                        await session.send(lambda: self.out.bytes(item.data), item.seconds)
+        self.played += 1
+        await self.out.json({"type": "Flushed", "sequence_id": self.played})
 
     async def _report(self, text: str, bad_input: bool) -> None:
         await self._error("INPUT_TOO_LONG" if bad_input else "SYNTHESIS_FAILED", text)
-
-    async def _stop_all(self, outcome: str) -> None:
-        """Barge-in or a vanished client: every group stops now and releases what it holds."""
-        self.current = None
-        await stop_sessions(self.live, self.sender, outcome)
-        self.groups = asyncio.Queue()
 
     async def _warning(self, code: str, text: str) -> None:
         await self.out.tell(_message("Warning", code, text))

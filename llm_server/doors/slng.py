@@ -36,26 +36,25 @@ from fastapi import APIRouter, WebSocket
 from codec_contract.audio import SAMPLE_RATE
 
 from ..speech.encoding import AudioOutput, UnsupportedOutput
-from ..speech.session import Audio, Refused, SpeechSession, SpeechSpec
+from ..speech.session import Audio, SpeechSession, SpeechSpec
 from ..voices import UnknownVoice
 from .http import trim_of
 from .sockets import (
     MAX_CONTEXTS,
-    SocketGone,
+    NotSpoken,
     SocketWriter,
+    Turns,
     accept,
     client_messages,
     parse_message,
     queued_audio,
     refuse_socket,
-    stop_sessions,
 )
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 ENCODINGS = {"linear16": "pcm", "pcm_s16le": "pcm", "mulaw": "mulaw", "alaw": "alaw"}
-CLOSE = object()  # close's place in the queue of flush groups
 
 
 class BadInit(ValueError):
@@ -86,17 +85,13 @@ def spec_of(init: dict, runtime) -> SpeechSpec:
 
 
 class SlngSocket:
-    """One client socket after its init: the flush groups it sent, played in order by one sender task."""
+    """One client socket after its init: the flush groups it sent, played in order (sockets.Turns)."""
 
     def __init__(self, out: SocketWriter, runtime, key, spec: SpeechSpec) -> None:
-        self.out, self.runtime, self.key, self.spec = out, runtime, key, spec
-        self.current: SpeechSession | None = None  # the group receiving text
-        self.current_chars = 0
-        self.groups: asyncio.Queue = asyncio.Queue()  # a group's session, None (a flush of nothing), or CLOSE
-        self.live: list[SpeechSession] = []  # every group not yet played out
+        self.out, self.runtime, self.spec = out, runtime, spec
         self.sequence = 0  # audio_chunk messages sent
         self.seconds = 0.0  # audio sent, for done's duration
-        self.sender = asyncio.create_task(self._play())
+        self.groups = Turns(out, runtime, key, self._play_group, self._done)
 
     async def run(self, messages: AsyncIterator[str | None]) -> None:
         """Read the socket's messages after its init (sockets.client_messages: within its budget) until it goes."""
@@ -114,7 +109,7 @@ class SlngSocket:
                 if await self._handle(message):
                     return
         finally:
-            await self._stop_all("disconnected")
+            await self.groups.stop("disconnected")
 
     async def _handle(self, message: dict) -> bool:
         """One message; True once the socket is done with (close played out, or cancel)."""
@@ -126,19 +121,18 @@ class SlngSocket:
             elif text:
                 await self._text(text)
         elif kind == "flush":
-            self._flush()
+            self.groups.end()
         elif kind == "clear":
-            await self._stop_all("cancelled")
-            self.sender = asyncio.create_task(self._play())
+            await self.groups.clear()
             await self.out.tell({"type": "cleared"})
         elif kind == "cancel":
-            await self._stop_all("cancelled")
+            await self.groups.stop("cancelled")
             await self.out.close(1000)
             return True
         elif kind == "close":
-            self._flush()
-            self.groups.put_nowait(CLOSE)
-            await asyncio.shield(self.sender)  # what was sent plays out, then done and the close
+            self.groups.end()
+            self.groups.close()
+            await asyncio.shield(self.groups.sender)  # what was sent plays out, then done and the close
             return True
         elif kind != "keepalive":
             await self._error("invalid_request", f"unknown message type {kind!r}: text, flush, clear, cancel, close "
@@ -146,64 +140,40 @@ class SlngSocket:
         return False
 
     async def _text(self, text: str) -> None:
-        if self.current is None:
-            if len(self.live) >= MAX_CONTEXTS:
-                await self._error("rate_limit", f"{MAX_CONTEXTS} flushes are already waiting to play")
-                return
-            spec = SpeechSpec(self.spec.voice, random.getrandbits(31), self.spec.output, self.spec.trim)
-            try:
-                self.current = await SpeechSession.open(self.runtime, spec, self.key, f"slng-{uuid.uuid4().hex[:16]}")
-            except Refused as exc:
-                await self._error("rate_limit", str(exc))
-                return
-            self.current_chars = 0
-            self.live.append(self.current)
-            self.groups.put_nowait(self.current)
-        self.current_chars += len(text)
-        if self.current_chars > self.runtime.config.max_input_chars:
-            limit = self.runtime.config.max_input_chars
-            await self._error("invalid_request", f"over {limit} characters before a flush")
-            return
-        self.current.push(text)
+        def spec() -> SpeechSpec:
+            return SpeechSpec(self.spec.voice, random.getrandbits(31), self.spec.output, self.spec.trim)
 
-    def _flush(self) -> None:
-        if self.current is not None:
-            self.current.end_input()
-            self.current = None
-        else:  # nothing to speak: flushed in its turn
-            self.groups.put_nowait(None)
-
-    async def _play(self) -> None:
-        """Each group's audio in order, then its flushed; close's place: done, then the close."""
         try:
-            while (group := await self.groups.get()) is not CLOSE:
-                if group is not None:
-                    await self._play_group(group)
-                await self.out.json({"type": "flushed"})
-            await self.out.json({"type": "done", "duration": round(self.seconds, 3)})
-            await self.out.close(1000)
-        except SocketGone:  # the client left: what is still queued stops (run() releases it)
-            for session in list(self.live):
-                session.cancel("disconnected")
+            await self.groups.text(text, spec, f"slng-{uuid.uuid4().hex[:16]}")
+        except NotSpoken as exc:
+            if exc.kind == NotSpoken.BUSY:
+                await self._error("rate_limit", f"{MAX_CONTEXTS} flushes are already waiting to play")
+            elif exc.kind == NotSpoken.REFUSED:
+                await self._error("rate_limit", str(exc))
+            else:
+                await self._error("invalid_request", f"over {self.runtime.config.max_input_chars} characters before a "
+                                                     "flush")
 
-    async def _play_group(self, session: SpeechSession) -> None:
-        async with queued_audio(session, self.out, self._report, self.live):
-            async for item in session.events():
-                if isinstance(item, Audio):
-                    self.sequence += 1
-                    chunk = {"type": "audio_chunk", "data": base64.b64encode(item.data).decode(),
-                             "sequence": self.sequence}
-                    await session.send(lambda: self.out.json(chunk), item.seconds)
-                    self.seconds += item.seconds
+    async def _play_group(self, _tag, session: SpeechSession | None) -> None:
+        """A group's audio, then its flushed (a flush of nothing: flushed in its turn)."""
+        if session is not None:
+            async with queued_audio(session, self.out, self._report, self.groups.live):
+                async for item in session.events():
+                    if isinstance(item, Audio):
+                        self.sequence += 1
+                        chunk = {"type": "audio_chunk", "data": base64.b64encode(item.data).decode(),
+                                 "sequence": self.sequence}
+                        await session.send(lambda: self.out.json(chunk), item.seconds)
+                        self.seconds += item.seconds
+        await self.out.json({"type": "flushed"})
+
+    async def _done(self) -> None:
+        """close's place: done, then the close."""
+        await self.out.json({"type": "done", "duration": round(self.seconds, 3)})
+        await self.out.close(1000)
 
     async def _report(self, text: str, bad_input: bool) -> None:
         await self._error("invalid_request" if bad_input else "backend_error", text)
-
-    async def _stop_all(self, outcome: str) -> None:
-        """Barge-in or a vanished client: every group stops now and releases what it holds."""
-        self.current = None
-        await stop_sessions(self.live, self.sender, outcome)
-        self.groups = asyncio.Queue()
 
     async def _error(self, code: str, text: str) -> None:
         await self.out.tell(_error(code, text))

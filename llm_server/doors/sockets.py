@@ -1,6 +1,6 @@
 """What the socket doors (Cartesia, Deepgram, ElevenLabs, Baseten, Together, vLLM-Omni, SLNG) share: a socket accepted
-or refused at connect, one writer per socket, the message budget, text limits, and how a context's audio ends and is
-stopped."""
+or refused at connect, one writer per socket, the message budget, text limits, sessions spoken in turn, and how a
+context's audio ends and is stopped."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from orpheus_common.socket_budget import POLICY_VIOLATION, SocketBudget
 
 from ..admission import CAPACITY
 from ..edge.auth import ApiKey
-from ..speech.session import ClientTooSlow, PromptTooLong, SpeechSession
+from ..speech.session import ClientTooSlow, PromptTooLong, Refused, SpeechSession, SpeechSpec
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +190,86 @@ async def stop_sessions(sessions: list[SpeechSession], sender: asyncio.Task | No
     for session in list(sessions):
         await session.close()
     sessions.clear()
+
+
+class NotSpoken(Exception):
+    """Text a socket's turn did not take: `kind` is BUSY (MAX_CONTEXTS turns waiting), REFUSED (admission: the
+    message says why) or TOO_LONG (past max_input_chars in one turn); each door answers in its protocol's words."""
+
+    BUSY, REFUSED, TOO_LONG = "busy", "refused", "too_long"
+
+    def __init__(self, kind: str, message: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+_CLOSE = object()  # close()'s place among the turns
+
+
+class Turns:
+    """A socket's sessions spoken in turn (Deepgram's and SLNG's flush groups, vLLM-Omni's utterances): text goes to
+    the current turn's session, opened on its first text; end() ends it (with none open, an empty turn); one sender
+    task plays the turns in order, `play(tag, session or None)` each, and at close()'s place `closed()`. A client
+    gone while they play cancels every turn still queued; stop() stops and releases them all at once."""
+
+    def __init__(self, out: SocketWriter, runtime, key: ApiKey | None,
+                 play: Callable[[object, SpeechSession | None], Awaitable[None]],
+                 closed: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.out, self.runtime, self.key = out, runtime, key
+        self._play_turn, self._closed = play, closed
+        self.current: SpeechSession | None = None  # the turn receiving text
+        self._chars = 0  # the current turn's text so far
+        self.live: list[SpeechSession] = []  # every turn not yet played out
+        self._queue: asyncio.Queue = asyncio.Queue()  # (tag, session or None), or _CLOSE
+        self.sender = asyncio.create_task(self._play())
+
+    async def text(self, text: str, spec: Callable[[], SpeechSpec], request_id: str, tag: object = None) -> None:
+        """`text` to the current turn, opening one (spec(), request_id; queued with `tag`) if none is; NotSpoken
+        when it is not taken."""
+        if self.current is None:
+            if len(self.live) >= MAX_CONTEXTS:
+                raise NotSpoken(NotSpoken.BUSY)
+            try:
+                self.current = await SpeechSession.open(self.runtime, spec(), self.key, request_id)
+            except Refused as exc:
+                raise NotSpoken(NotSpoken.REFUSED, str(exc)) from None
+            self._chars = 0
+            self.live.append(self.current)
+            self._queue.put_nowait((tag, self.current))
+        self._chars += len(text)
+        if self._chars > self.runtime.config.max_input_chars:
+            raise NotSpoken(NotSpoken.TOO_LONG)
+        self.current.push(text)
+
+    def end(self, tag: object = None) -> None:
+        """The current turn's text is all there; with none open, an empty turn (`tag`) plays in its place."""
+        if self.current is not None:
+            self.current.end_input()
+            self.current = None
+        else:
+            self._queue.put_nowait((tag, None))
+
+    def close(self) -> None:
+        """After the turns queued: closed()."""
+        self._queue.put_nowait(_CLOSE)
+
+    async def stop(self, outcome: str) -> None:
+        """Barge-in or a vanished client: every turn stops now and releases what it holds (no sender after)."""
+        self.current = None
+        await stop_sessions(self.live, self.sender, outcome)
+        self._queue = asyncio.Queue()
+
+    async def clear(self) -> None:
+        """Every turn stopped, and a new sender for the turns to come."""
+        await self.stop("cancelled")
+        self.sender = asyncio.create_task(self._play())
+
+    async def _play(self) -> None:
+        try:
+            while (turn := await self._queue.get()) is not _CLOSE:
+                await self._play_turn(*turn)
+            if self._closed is not None:
+                await self._closed()
+        except SocketGone:  # the client left: what is still queued stops (the door's stop() releases it)
+            for session in list(self.live):
+                session.cancel("disconnected")

@@ -54,20 +54,20 @@ from ..clones import make_clone
 from ..edge.auth import ApiKey
 from ..edge.errors import ApiError
 from ..speech.encoding import AudioOutput
-from ..speech.session import Audio, Refused, SegmentEnd, SpeechSession, SpeechSpec, Words
+from ..speech.session import Audio, SegmentEnd, SpeechSession, SpeechSpec, Words
 from ..voices import CLONE, UnknownVoice
 from .http import trim_of
 from .sockets import (
     MAX_CONTEXTS,
     MAX_MESSAGE_CHARS,
-    SocketGone,
+    NotSpoken,
     SocketWriter,
+    Turns,
     accept,
     client_messages,
     parse_message,
     queued_audio,
     refuse_socket,
-    stop_sessions,
 )
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,6 @@ router = APIRouter()
 
 PCM = AudioOutput("pcm")  # what the plugin plays: s16le at 24 kHz
 BYTES_PER_SECOND = 2 * SAMPLE_RATE
-CLOSE = object()  # session.close's place in the queue of utterances
 
 
 class BadConfig(ValueError):
@@ -108,19 +107,15 @@ def config_of(message: dict, runtime) -> Config:
 
 
 class OmniSocket:
-    """One client socket: its config, and its utterances, played in order by one sender task."""
+    """One client socket: its config, and its utterances, played in order (sockets.Turns, each tagged its index)."""
 
     def __init__(self, ws: WebSocket, runtime, key) -> None:
         self.ws, self.runtime, self.key = ws, runtime, key
         self.out = SocketWriter(ws)
         self.config: Config | None = None
-        self.current: SpeechSession | None = None  # the utterance receiving input.text
-        self.current_chars = 0
         self.utterances = 0  # input.done so far: the next utterance's index
-        self.queue: asyncio.Queue = asyncio.Queue()  # (index, session or None), or CLOSE
-        self.live: list[SpeechSession] = []  # every utterance not yet played out
         self.max_chars = max_message_chars(runtime.config)  # a voice.add's, with its recording
-        self.sender = asyncio.create_task(self._play())
+        self.turns = Turns(self.out, runtime, key, self._play_utterance, lambda: self.out.close(1000))
 
     async def run(self) -> None:
         try:
@@ -128,10 +123,10 @@ class OmniSocket:
                 closing = await self._receive(text)
                 del text  # a voice.add's recording is not held while the socket waits for the next message
                 if closing:
-                    await asyncio.shield(self.sender)  # what was sent plays out, then the close
+                    await asyncio.shield(self.turns.sender)  # what was sent plays out, then the close
                     return
         finally:
-            await self._stop_all("disconnected")
+            await self.turns.stop("disconnected")
 
     async def _receive(self, text: str | None) -> bool:
         """One message as received; True once session.close has been queued."""
@@ -186,9 +181,9 @@ class OmniSocket:
         elif kind == "input.done":
             self._done()
         elif kind == "session.close":
-            if self.current is not None:  # text sent without its input.done is spoken too
+            if self.turns.current is not None:  # text sent without its input.done is spoken too
                 self._done()
-            self.queue.put_nowait(CLOSE)
+            self.turns.close()
             return True
         else:
             await self._error(f"Unknown message type: {kind}")
@@ -205,7 +200,7 @@ class OmniSocket:
         await self.out.tell(answer)
 
     async def _configure(self, message: dict) -> None:
-        if self.current is not None:
+        if self.turns.current is not None:
             await self._error("session.config cannot be applied while an utterance is in progress; send input.done "
                               "first")
             return
@@ -215,52 +210,34 @@ class OmniSocket:
             await self._refuse_or_tell(f"Invalid session config: {exc}")
 
     async def _text(self, text: str) -> None:
-        if self.current is None:
-            if len(self.live) >= MAX_CONTEXTS:
+        def spec() -> SpeechSpec:
+            return dataclasses.replace(self.config.spec, seed=random.getrandbits(31))
+
+        try:
+            await self.turns.text(text, spec, f"vllm-omni-{uuid.uuid4().hex[:16]}", self.utterances)
+        except NotSpoken as exc:
+            if exc.kind == NotSpoken.BUSY:
                 await self._error(f"{MAX_CONTEXTS} utterances are already waiting to be spoken")
-                return
-            try:
-                spec = dataclasses.replace(self.config.spec, seed=random.getrandbits(31))
-                self.current = await SpeechSession.open(self.runtime, spec, self.key,
-                                                        f"vllm-omni-{uuid.uuid4().hex[:16]}")
-            except Refused as exc:
+            elif exc.kind == NotSpoken.REFUSED:
                 await self._error(str(exc))
-                return
-            self.current_chars = 0
-            self.live.append(self.current)
-            self.queue.put_nowait((self.utterances, self.current))
-        self.current_chars += len(text)
-        if self.current_chars > self.runtime.config.max_input_chars:
-            await self._error(f"over {self.runtime.config.max_input_chars} characters in one utterance")
-            return
-        self.current.push(text)
+            else:
+                await self._error(f"over {self.runtime.config.max_input_chars} characters in one utterance")
 
     def _done(self) -> None:
         """input.done: the utterance's text is all there (nothing sent: session.done in its turn)."""
-        if self.current is not None:
-            self.current.end_input()
-            self.current = None
-        else:
-            self.queue.put_nowait((self.utterances, None))
+        self.turns.end(self.utterances)
         self.utterances += 1
 
-    async def _play(self) -> None:
-        """Each utterance's sentences in order, then its session.done; session.close's place, the close."""
-        try:
-            while (item := await self.queue.get()) is not CLOSE:
-                index, session = item
-                sentences = await self._play_utterance(index, session) if session is not None else 0
-                await self.out.json({"type": "session.done", "utterance_index": index, "total_sentences": sentences})
-            await self.out.close(1000)
-        except SocketGone:  # the client left: what is still queued stops (run() releases it)
-            for session in list(self.live):
-                session.cancel("disconnected")
+    async def _play_utterance(self, index: int, session: SpeechSession | None) -> None:
+        """One utterance's audio, each sentence framed by audio.start and audio.done, then its session.done."""
+        sentences = await self._sentences(index, session) if session is not None else 0
+        await self.out.json({"type": "session.done", "utterance_index": index, "total_sentences": sentences})
 
-    async def _play_utterance(self, index: int, session: SpeechSession) -> int:
-        """One utterance's audio, each sentence framed by audio.start and audio.done; the sentences spoken."""
+    async def _sentences(self, index: int, session: SpeechSession) -> int:
+        """The utterance's sentences sent; how many."""
         sentence = {"utterance_index": index, "sentence_index": 0}
         started, sent, before, words = False, 0, 0, None
-        async with queued_audio(session, self.out, self._report, self.live):
+        async with queued_audio(session, self.out, self._report, self.turns.live):
             async for item in session.events():
                 if isinstance(item, Audio):
                     if not started:
@@ -298,11 +275,6 @@ class OmniSocket:
             await refuse_socket(self.out, {"type": "error", "message": text}, text[:120])
         else:
             await self._error(text)
-
-    async def _stop_all(self, outcome: str) -> None:
-        """A vanished client: every utterance stops now and releases what it holds."""
-        self.current = None
-        await stop_sessions(self.live, self.sender, outcome)
 
     async def _error(self, text: str) -> None:
         await self.out.tell({"type": "error", "message": text})
