@@ -4,7 +4,8 @@
 that CA signed (mutual TLS, as the codec link's tls_client_ca). The files are re-read when one changes
 (cert-manager's renewal, a Secret's update): new connections get the new certificate, open ones keep theirs,
 as the codec tier's CertFiles does for gRPC. A half-rotated pair (a new certificate beside the old key) is not
-taken: the old one serves until the pair loads, which the next look tries again.
+taken: the old one serves until the pair loads, which the next look tries again. No session tickets are sent
+(ReloadingContext says why).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class ReloadingContext:
     def __call__(self, config: uvicorn.Config, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
         self._paths = tuple(str(p) for p in (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs) if p)
         stamp, context = self._stamp(), default()
+        # No TLS 1.3 session tickets: they reach a client after its handshake, as it writes its first request, and
+        # Python's sync WebSocket clients (websockets.sync, under ElevenLabs' SDK) read and write one SSL object from
+        # two threads, which can lose that request (benchmarks/tls_sync_clients.py). Resumption saves a handshake
+        # per new connection; streams hold theirs for minutes.
+        context.num_tickets = 0
         try:
             self._watch = asyncio.get_running_loop().create_task(self._watch_files(config, default, context, stamp))
         except RuntimeError:  # loaded outside a loop: served as loaded, not re-read
