@@ -102,6 +102,21 @@ async def test_close_context_mid_speech_is_a_barge_in_that_frees_everything(snac
         assert await settled(served, snac_server, quiet) == NOTHING_HELD
 
 
+async def test_close_context_from_a_client_already_gone_ends_quietly(snac_server, caplog):
+    """A barge-in's close_context whose client dropped the connection right after sending it (LiveKit's stream
+    closed mid-speech): the context is cancelled and its isFinal has no one to go to, which is no error."""
+    async with serving(snac_server, ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.01)) as served:
+        quiet = await baseline(served, snac_server)
+        async with connect(ws_url(served, MULTI)) as ws:
+            await ws.send(json.dumps({"text": "A long answer the user talks over.", "context_id": "x", "flush": True}))
+            await replies(ws, lambda m: bool(m.get("audio")))
+            await ws.send(json.dumps({"context_id": "x", "close_context": True}))
+            ws.transport.close()  # what was sent goes out, then the connection ends without a close frame
+        assert await settled(served, snac_server, quiet) == NOTHING_HELD
+        assert served.outcome("cancelled") == 1
+    assert "Exception in ASGI application" not in caplog.text
+
+
 async def test_close_socket_and_a_vanished_client_free_everything(snac_server):
     async with serving(snac_server, ScriptedEngineDouble(frames=400, frames_per_batch=1, batch_delay_s=0.01)) as served:
         quiet = await baseline(served, snac_server)

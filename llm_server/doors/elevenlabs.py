@@ -213,7 +213,7 @@ class ElevenLabsSocket:
             self._end_input(context)
             return
         await self._finish(context, "cancelled")
-        await self.out.json({"contextId": context.id, "isFinal": True})
+        await self.out.tell({"contextId": context.id, "isFinal": True})  # a client that left has no need of it
 
     async def _pump(self, context: _Context) -> None:
         """A context's audio and alignment, in order, then isFinal; its end, however it comes."""
