@@ -51,8 +51,8 @@ def serve(port: int, tls_dir: Path, tickets: int) -> None:
     """One server: the stack's TLS settings and WebSocket protocol; `tickets` > 0 puts them back (the reference)."""
     import uvicorn
     from starlette.applications import Starlette
-    from starlette.routing import Route, WebSocketRoute
     from starlette.responses import PlainTextResponse
+    from starlette.routing import Route, WebSocketRoute
 
     from orpheus_common.draining import server_config
     from orpheus_common.tls import TlsSettings

@@ -17,8 +17,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from llm_server.doors.elevenlabs import Refusal, char_alignment, output_of
-from llm_server.speech.session import Words
 from llm_server.doors.sockets import MAX_CONTEXTS
+from llm_server.speech.session import Words
 
 FRAMES = 4  # the engine double's frames per sentence
 MULTI = "/v1/text-to-speech/tara/multi-stream-input?model_id=eleven_flash_v2_5&output_format=pcm_24000"
