@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -39,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -70,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flood", type=int, default=FLOOD, help="messages sent in each flood")
     p.add_argument("--flood-rounds", type=int, default=3, help="floods of each socket door")
     p.add_argument("--flood-quiet-s", type=float, default=3.0, help="the quiet window before each flood")
+    p.add_argument("--flooder-cpu", type=float, default=0.0,
+                   help="hold the flooder to this share of one core (a cgroup's CPU quota: its CPU stands in for an "
+                        "attacker's own machine's); 0: niceness 19 only")
     p.add_argument("--items", default=",".join(WORST), help="corpus items to upload (comma-separated), or 'all'")
     p.add_argument("--adapters", type=int, default=4, help="LoRA adapters added while the LoRA stack serves (0: none)")
     p.add_argument("--megapod-args", default="--replicas 2 --enforce-eager true", help="more `megapod up` flags")
@@ -159,22 +164,26 @@ def worker_process(stack: LocalStack) -> psutil.Process:
                 if "llm_server" in " ".join(proc.cmdline()) and "EngineCore" not in proc.name())
 
 
-async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_s: float) -> dict[str, object]:
+async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_s: float,
+                 flooder_cpu: float = 0.0) -> dict[str, object]:
     """Each socket door flooded `rounds` times beside one stream, a quiet window of `quiet_s` before every flood:
     the stream's waits during each door's floods (from the first message to AFTERMATH_S after the flooder is done:
     the server's work after its close counts) against its waits in the quiet windows between them (each wait in
     the window it ends in: the windows touch, and a wait is counted once), and the CPU a second of the worker
     process, of the whole stack and of the flooder in each. One flooder process, started before: its start-up is
-    not a flood's."""
+    not a flood's; held to `flooder_cpu` of a core when given (cpu_quota)."""
     stream = Stream(worker)
     await asyncio.wait_for(stream.first.wait(), 300)
     windows: dict[str, list[tuple[float, float]]] = {}
     cpu: dict[str, dict[str, float]] = {}  # window name -> {worker, stack, flooder}: CPU seconds summed
     answers: dict[str, list[dict]] = {}
     loop, server = asyncio.get_running_loop(), worker_process(stack)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as flooder:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as flooder, contextlib.ExitStack() as held:
         attacker = psutil.Process(await loop.run_in_executor(flooder, os.getpid))
         await loop.run_in_executor(flooder, os.nice, 19)  # an attacker's CPU is not the stack's
+        if flooder_cpu:
+            held.enter_context(cpu_quota(attacker.pid, flooder_cpu))
 
         def used() -> dict[str, float]:
             return {"worker": cpu_seconds(server), "stack": sum(stack.cpu_seconds().values()),
@@ -207,13 +216,42 @@ async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_
     return out
 
 
+@contextlib.contextmanager
+def cpu_quota(pid: int, share: float) -> Iterator[None]:
+    """Process `pid` held to `share` of one core by a cgroup's CPU quota (v1's cpu hierarchy, as this machine has it,
+    or v2's cpu.max), for as long as the block runs: the flooder on the stack's own two cores stands in for one on
+    another machine. Root only."""
+    period_us, name = 100_000, f"megapod-flooder-{pid}"
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        group = v1 / name
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(round(share * period_us)))
+        parent = v1
+    elif "cpu" in (v2 / "cgroup.controllers").read_text(errors="replace").split():
+        group = v2 / name
+        group.mkdir()
+        (group / "cpu.max").write_text(f"{round(share * period_us)} {period_us}")
+        parent = v2
+    else:
+        raise SystemExit("--flooder-cpu needs a cgroup CPU controller (cgroup v1's cpu or v2's cpu.max) and root")
+    (group / "cgroup.procs").write_text(str(pid))
+    try:
+        yield
+    finally:
+        (parent / "cgroup.procs").write_text(str(pid))  # back where it was, so that the group can go
+        group.rmdir()
+
+
 def door_flood(worker: str, door: str, count: int) -> dict[str, object]:
     """One flood, in the flooder's process (a thread of this one would take the GIL from the stream timed here)."""
     path, first, message = DOORS[door]
     started = time.perf_counter()
     sent, code, texts = flood(worker.replace("http://", "ws://") + path, first, message, count)
+    took = time.perf_counter() - started
     return {"sent": sent, "close_code": code, "told": any(BUDGET_SAID in t for t in texts),
-            "closed_after_s": round(time.perf_counter() - started, 2)}
+            "closed_after_s": round(took, 2), "sent_per_s": round(sent / took) if took else None}
 
 
 def write_clones(root: Path, names) -> None:
@@ -262,7 +300,7 @@ async def hostile_phases(args: argparse.Namespace, work_dir: Path) -> tuple[str,
         items = list(corpus()) if args.items == "all" else args.items.split(",")
         phases = {"quiet": await phase(stack, worker, lambda: asyncio.sleep(args.quiet_s)),
                   "uploads": await phase(stack, worker, lambda: post_corpus(worker, items))}
-        flooded = await floods(stack, worker, args.flood_rounds, args.flood, args.flood_quiet_s)
+        flooded = await floods(stack, worker, args.flood_rounds, args.flood, args.flood_quiet_s, args.flooder_cpu)
         started = time.perf_counter()
         await asyncio.to_thread(write_clones, voices_dir, (f"clone-{i:05d}" for i in range(args.voices)))
         written_s = time.perf_counter() - started
@@ -331,8 +369,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
               "loop_lag_p99_under_20_ms_with_the_voices": (phases["voices"]["worker_loop_lag_p99_ms"] or 0) < 20}
     if lora:
         bounds["lora_gap_within_quiet_max_plus_a_frame"] = within_bounds(lora, "lora-quiet")
-    return {"provenance": record(PACKAGES), "stack": command, "phases": {**phases, **lora}, "floods": flooded,
-            "bounds": bounds}
+    return {"provenance": record(PACKAGES), "stack": command, "flooder_cpu_quota": args.flooder_cpu or None,
+            "phases": {**phases, **lora}, "floods": flooded, "bounds": bounds}
 
 
 def main(argv: list[str] | None = None) -> int:
