@@ -10,6 +10,9 @@ time, with the worker's limit sampled beside it. The N_max to scale by comes fro
 (its `n_max_pinned`) on the same machine.
 
     .venv/bin/python benchmarks/admission_burst.py --n-pinned 22          # writes results/admission-burst-cpu.json
+
+`--pinned` runs the same levels on `--admission`'s pinned stack (fresh too): whether a fresh level's trouble is the
+limit's or the fresh stack's own; `--fresh-only` stops after the fresh level.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-pinned", type=int, required=True, help="N_max with the limit pinned, from concurrency.py")
     p.add_argument("--out", type=Path, default=provenance.REPO_ROOT / "benchmarks/results/admission-burst-cpu.json")
     p.add_argument("--keep-logs", action="store_true", help="keep the stack's logs (their folder is printed)")
+    p.add_argument("--pinned", action="store_true",
+                   help="the same levels on --admission's pinned stack instead: the reference for a fresh stack")
+    p.add_argument("--fresh-only", action="store_true", help="the fresh level alone, no overload after it")
     return p.parse_args(argv)
 
 
@@ -42,7 +48,7 @@ async def levels(args, bench: argparse.Namespace, target, corpus, rt, shape, jso
     concurrency._enter(target, admission.FRESH, f"{admission.fresh_n(args.n_pinned)} streams at once")
     out = [await concurrency.admission_level(bench, target, admission.fresh_n(args.n_pinned), corpus, rt, shape, jsonl)]
     overload = admission.overload_shape(shape, bench.audio_within_s)
-    for k in OVERLOADS:
+    for k in () if args.fresh_only else OVERLOADS:
         concurrency._enter(target, admission.overload_phase(k), f"{k} x {args.n_pinned}, right after")
         out.append(await concurrency.admission_level(bench, target, k * args.n_pinned, corpus, rt, overload, jsonl,
                                                      fail_early=False))
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = concurrency.LoadShape(stagger_s=bench.stagger_s, warmup_s=bench.warmup_s, window_s=bench.window_s,
                                   max_level_s=bench.max_level_s, read_timeout_s=bench.read_timeout_s, seed=bench.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="admission-burst-"))
-    target = concurrency.admission_targets(bench, log_dir)[0]  # the unconfigured stack
+    target = concurrency.admission_targets(bench, log_dir)[1 if args.pinned else 0]  # [unconfigured, pinned]
     started = time.perf_counter()
     concurrency.start_stacks([target])
     try:
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         target.stack.stop()
         print(f"the stack's logs: {log_dir}" if args.keep_logs else "", file=sys.stderr)
-    result = {"benchmark": "admission_burst", "n_pinned": args.n_pinned,
+    result = {"benchmark": "admission_burst", "n_pinned": args.n_pinned, "stack": target.name,
               "provenance": provenance.record(report.PACKAGES, argv),
               "megapod_args": target.stack.argv[4:], "wall_s": round(time.perf_counter() - started, 1),
               "levels": {r["phase"]: brief(r) for r in run},
