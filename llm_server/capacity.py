@@ -25,7 +25,9 @@ holds this on such curves). The engine's pace cannot see every bottleneck (a cod
 a replica behind); each admitted stream's listener at the target pace can (Listeners): a stream whose
 listener waited past its allowance (LISTENER_LAG_S unless configured) is behind, and the limit is cut by
 LISTENER_BACKOFF of the streams its window admitted, once for the streams admitted past it; past the slow
-start it grows only after LISTENER_QUIET_S of audio in which no listener waited. A codec stream failing
+start it grows only after LISTENER_QUIET_S of audio in which no listener waited, except back up to a stream below
+the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an overload admits a level
+it kept before within a queue's wait). A codec stream failing
 over (a replica refusing, stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for
 HOLD_WINDOWS. The limit stays within [floor, ceiling].
 """
@@ -257,6 +259,7 @@ class CapacityLimit:
         # Slow start, as TCP's: the limit may double a window until it is first cut (a cut says where the capacity
         # is), and from then on grows one stream at a time, each growth once the last one's streams settled.
         self._cut = False
+        self._cut_from: float | None = None  # the streams admitted when the limit was last cut: where trouble was found
         self._kept: float | None = None  # the streams the last window's pace keeps at the target, if it had room
         self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
 
@@ -306,7 +309,11 @@ class CapacityLimit:
         self.pace = pace
         heard = heard or ListenerWindow()
         self._quiet_s = 0.0 if heard.waiting_lag_s > 0 else self._quiet_s + window.elapsed_s
-        quiet = not self._cut or self._quiet_s * self.target_pace >= LISTENER_QUIET_S
+        # Careful growth waits for quiet (LISTENER_QUIET_S) only near the last trouble: up to a stream below the streams
+        # admitted when the limit was last cut, it is one stream a settled window, as TCP CUBIC returns to where it lost
+        # packets (not the limit: a slow start's last doubling, 16 -> 32 for a burst of 24, was never in use).
+        recovering = self._cut_from is not None and limit + 1.0 <= self._cut_from - 1.0
+        quiet = not self._cut or recovering or self._quiet_s * self.target_pace >= LISTENER_QUIET_S
         room = pace is not None and pace >= self.target_pace and heard.settled
         self._kept = window.mean_decoding * pace / self.target_pace if room else None
         if pace is not None and pace < self.target_pace:
@@ -334,7 +341,7 @@ class CapacityLimit:
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful
-            self._cut, self._quiet_s = True, 0.0
+            self._cut, self._quiet_s, self._cut_from = True, 0.0, min(before, float(peak_admitted))
         elif self.limit > before and self._cut:  # a careful growth: the next waits for its streams' cost
             self._quiet_s = 0.0
         return self.limit
