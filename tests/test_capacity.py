@@ -400,36 +400,38 @@ def test_past_a_cut_a_growth_waits_for_the_streams_it_admitted_to_show_their_cos
     """On a CPU's slow-motion target a window of fast streams closes every second, but a new stream takes seconds to
     reach the codec, and its audio then comes in rows: growth every window ran the limit from 6 to 41 in 8 s before
     the codec's lateness showed, and one every 3 s from 20 to 28 in 24 s before a listener waited (benchmark runs of
-    issue 43). Past the slow start, back up to a stream below the limit the last cut started from is a stream a
+    issue 43). Past the slow start, back up to a stream below the streams admitted at the last cut is a stream a
     settled window (a level the worker kept before); past that, one stream per LISTENER_QUIET_S of audio at the target
     pace (14.3 s here) since the last cut or growth with no listener waiting; a listener waiting starts the count
     again."""
-    fast = Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0)  # 1 x real time: 10 x the target
     limit = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=0.105)
     limit.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20)  # 0.05 x: cut
     assert limit.reason == SLOW and limit.limit == 10
-    grew = []
-    for second in range(1, 41):
-        heard = ListenerWindow(waiting_lag_s=0.01) if second == 20 else None  # one listener waited a little
-        limit.update(fast, limit.streams, limit.streams, heard)
-        if limit.reason == GROWTH:
-            grew.append(second)
+    grew = growths_in_use(limit, seconds=40, waited_at=20)  # one listener waited a little at 20 s
     assert grew == [*range(1, 10), 35] and limit.limit == 20, grew
 
 
 def test_the_way_back_after_a_cut_ends_below_the_streams_it_found_in_use_not_below_the_limit():
     """A slow start's last doubling (16 -> 32 for a burst of 24) was never in use: cut there, the limit comes back a
     stream a window only up to 23 (a stream below the 24 admitted when trouble showed), and past that carefully."""
-    fast = Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0)  # 1 x real time: 10 x the target
     limit = CapacityLimit(initial=32, floor=1, ceiling=4096, target_pace=0.105)
     limit.update(Window.stepping(24, 24 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 24, 24)  # 0.04 x: cut
     assert limit.reason == SLOW and limit.limit == 16
+    grew = growths_in_use(limit, seconds=20)
+    assert grew == list(range(1, 8)) and limit.limit == 23, grew
+
+
+def growths_in_use(limit: CapacityLimit, seconds: int, waited_at: int | None = None) -> list[int]:
+    """Windows of a second of 10 streams at 1 x real time (10 x a CPU's target), the limit always in use: the seconds at
+    which it grew; at `waited_at` a listener waited a little."""
+    fast = Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0)
     grew = []
-    for second in range(1, 21):
-        limit.update(fast, limit.streams, limit.streams)
+    for second in range(1, seconds + 1):
+        heard = ListenerWindow(waiting_lag_s=0.01) if second == waited_at else None
+        limit.update(fast, limit.streams, limit.streams, heard)
         if limit.reason == GROWTH:
             grew.append(second)
-    assert grew == list(range(1, 8)) and limit.limit == 23, grew
+    return grew
 
 
 # -- the codec as the bottleneck (issue 43: the limit hovered at 2-3x what the codec kept) ---------------------------
