@@ -9,7 +9,8 @@ worker (POST /v1/audio/speech, read as it comes, every chunk timed) while someth
   54 s, the 48 kHz one, the hour of near-silence, lying WAVs, 32 channels ...) posted one after another to
   POST /v1/voices: each answer's status, reason and time;
 - `floods`: 100,000 tiny messages on each socket door (benchmarks/hostile_sockets.py), as fast as the socket takes
-  them, from a flooder process of its own at niceness 19, each door `--flood-rounds` times with a quiet window
+  them, from a flooder process of its own at niceness 19 (and held to `--flooder-cpu` of a core by a cgroup quota
+  when given: a stand-in for an attacker's own machine), each door `--flood-rounds` times with a quiet window
   before every flood, all beside one stream: the stream's gaps in each door's floods against those in the quiet
   windows between them, the worker process's CPU a second in each, and how the door answered and closed;
 - `voices`: 10,000 clone voices written into the voices directory, then a new one every 0.5 s: when each is
@@ -218,29 +219,21 @@ async def floods(stack: LocalStack, worker: str, rounds: int, count: int, quiet_
 
 @contextlib.contextmanager
 def cpu_quota(pid: int, share: float) -> Iterator[None]:
-    """Process `pid` held to `share` of one core by a cgroup's CPU quota (v1's cpu hierarchy, as this machine has it,
-    or v2's cpu.max), for as long as the block runs: the flooder on the stack's own two cores stands in for one on
-    another machine. Root only."""
-    period_us, name = 100_000, f"megapod-flooder-{pid}"
-    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-    if (v1 / "cpu.cfs_quota_us").exists():
-        group = v1 / name
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(period_us))
-        (group / "cpu.cfs_quota_us").write_text(str(round(share * period_us)))
-        parent = v1
-    elif "cpu" in (v2 / "cgroup.controllers").read_text(errors="replace").split():
-        group = v2 / name
-        group.mkdir()
-        (group / "cpu.max").write_text(f"{round(share * period_us)} {period_us}")
-        parent = v2
-    else:
-        raise SystemExit("--flooder-cpu needs a cgroup CPU controller (cgroup v1's cpu or v2's cpu.max) and root")
+    """Process `pid` held to `share` of one core by a cgroup's CPU quota (cgroup v1's cpu hierarchy, as this machine
+    has it), for as long as the block runs: the flooder on the stack's own two cores stands in for one on another
+    machine. Root only."""
+    period_us, root = 100_000, Path("/sys/fs/cgroup/cpu")
+    if not (root / "cpu.cfs_quota_us").exists():
+        raise SystemExit("--flooder-cpu needs cgroup v1's cpu controller (/sys/fs/cgroup/cpu) and root")
+    group = root / f"megapod-flooder-{pid}"
+    group.mkdir()
+    (group / "cpu.cfs_period_us").write_text(str(period_us))
+    (group / "cpu.cfs_quota_us").write_text(str(round(share * period_us)))
     (group / "cgroup.procs").write_text(str(pid))
     try:
         yield
     finally:
-        (parent / "cgroup.procs").write_text(str(pid))  # back where it was, so that the group can go
+        (root / "cgroup.procs").write_text(str(pid))  # back where it was, so that the group can go
         group.rmdir()
 
 

@@ -20,6 +20,7 @@ upgrade request to stand in for it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import ssl
@@ -27,7 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from websockets.sync.client import ClientConnection, connect
 
 from benchmarks.provenance import REPO_ROOT, record
 from megapod.launcher import Child, free_ports
@@ -80,20 +84,25 @@ def serve(port: int, tls_dir: Path, tickets: int) -> None:
                                  **{**settings, "ssl_context_factory": context})).run()
 
 
-def upgrade(url: str, context: ssl.SSLContext, jitter_s: float, timeout_s: float) -> str | None:
+class LateClient(ClientConnection):
+    """websockets.sync's client, its thread descheduled for a random 0..jitter_s after the TLS handshake."""
+
+    def __init__(self, *args, jitter_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.jitter_s = jitter_s
+
+    def handshake(self, *args, **kwargs) -> None:
+        time.sleep(random.uniform(0.0, self.jitter_s))
+        super().handshake(*args, **kwargs)
+
+
+def upgrade(url: str, context: ssl.SSLContext, client: Callable[..., ClientConnection], timeout_s: float) -> str | None:
     """One sync client's upgrade and first message: None when "hi" came in time, else what happened."""
-    from websockets.sync.client import ClientConnection, connect
-
-    class LateClient(ClientConnection):
-        def handshake(self, *args, **kwargs) -> None:
-            time.sleep(random.uniform(0.0, jitter_s))  # this thread descheduled after the TLS handshake
-            super().handshake(*args, **kwargs)
-
     outcome: dict[str, str] = {}
 
     def run() -> None:
         try:
-            with connect(url, ssl=context, open_timeout=timeout_s, create_connection=LateClient) as ws:
+            with connect(url, ssl=context, open_timeout=timeout_s, create_connection=client) as ws:
                 outcome["said"] = ws.recv(timeout=timeout_s)
         except Exception as exc:  # every failure is the figure: counted by kind
             outcome["error"] = type(exc).__name__
@@ -122,18 +131,19 @@ def main(argv: list[str] | None = None) -> None:
         try:
             wait_ready(list(ports.values()), context)
             lost: dict[str, dict[str, int]] = {name: {} for name in ports}
+            client = functools.partial(LateClient, jitter_s=args.jitter_ms / 1000)
             started = time.monotonic()
             for _ in range(args.connects):
                 for name, port in ports.items():
-                    failure = upgrade(f"wss://127.0.0.1:{port}/ws", context, args.jitter_ms / 1000, args.timeout_s)
+                    failure = upgrade(f"wss://127.0.0.1:{port}/ws", context, client, args.timeout_s)
                     if failure:
                         lost[name][failure] = lost[name].get(failure, 0) + 1
             seconds = time.monotonic() - started
         finally:
             for child in servers:
                 child.stop()
-    result = {"provenance": record(PACKAGES), "openssl": ssl.OPENSSL_VERSION, "connects_each": args.connects, "jitter_ms": args.jitter_ms,
-              "timeout_s": args.timeout_s, "seconds": round(seconds, 1),
+    result = {"provenance": record(PACKAGES), "openssl": ssl.OPENSSL_VERSION, "connects_each": args.connects,
+              "jitter_ms": args.jitter_ms, "timeout_s": args.timeout_s, "seconds": round(seconds, 1),
               "servers": {name: {"session_tickets": tickets[name], "lost": sum(lost[name].values()), "how": lost[name]}
                           for name in ports}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,10 +26,9 @@ a replica behind); each admitted stream's listener at the target pace can (Liste
 listener waited past its allowance (LISTENER_LAG_S unless configured) is behind, and the limit is cut by
 LISTENER_BACKOFF of the streams its window admitted, once for the streams admitted past it; past the slow
 start it grows only after LISTENER_QUIET_S of audio in which no listener waited, except back up to a stream below
-the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an overload admits a level
-it kept before within a queue's wait). A codec stream failing
-over (a replica refusing, stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for
-HOLD_WINDOWS. The limit stays within [floor, ceiling].
+the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an overload admits a
+level it kept before within a queue's wait). A codec stream failing over (a replica refusing, stalling or gone)
+cuts it by CODEC_BACKOFF. Either cut holds growth for HOLD_WINDOWS. The limit stays within [floor, ceiling].
 """
 
 from __future__ import annotations
@@ -258,8 +257,7 @@ class CapacityLimit:
         self._hold = 0  # windows left without growth after a cut for a failover or a stream behind
         # Slow start, as TCP's: the limit may double a window until it is first cut (a cut says where the capacity
         # is), and from then on grows one stream at a time, each growth once the last one's streams settled.
-        self._cut = False
-        self._cut_from: float | None = None  # the streams admitted when the limit was last cut: where trouble was found
+        self._cut_from: float | None = None  # the streams admitted when the limit was last cut (None: never cut)
         self._kept: float | None = None  # the streams the last window's pace keeps at the target, if it had room
         self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
 
@@ -271,7 +269,7 @@ class CapacityLimit:
     @property
     def slow_start(self) -> bool:
         """Whether the limit may still double a window (it was never cut)."""
-        return not self._cut
+        return self._cut_from is None
 
     def enough(self, stream_s: float, tokens: int) -> bool:
         """Whether a window with this much decoding says enough about the pace: WINDOW_TOKENS tokens, or the
@@ -312,8 +310,8 @@ class CapacityLimit:
         # Careful growth waits for quiet (LISTENER_QUIET_S) only near the last trouble: up to a stream below the streams
         # admitted when the limit was last cut, it is one stream a settled window, as TCP CUBIC returns to where it lost
         # packets (not the limit: a slow start's last doubling, 16 -> 32 for a burst of 24, was never in use).
-        recovering = self._cut_from is not None and limit + 1.0 <= self._cut_from - 1.0
-        quiet = not self._cut or recovering or self._quiet_s * self.target_pace >= LISTENER_QUIET_S
+        recovering = not self.slow_start and limit + 1.0 <= self._cut_from - 1.0
+        quiet = self.slow_start or recovering or self._quiet_s * self.target_pace >= LISTENER_QUIET_S
         room = pace is not None and pace >= self.target_pace and heard.settled
         self._kept = window.mean_decoding * pace / self.target_pace if room else None
         if pace is not None and pace < self.target_pace:
@@ -330,7 +328,7 @@ class CapacityLimit:
         elif (pace is not None and peak_admitted >= self.streams >= admitted and not self._hold
               and heard.settled and quiet):
             # In use, and not still over it after a decrease (the streams past it are yet to end).
-            step = 1.0 if self._cut else limit
+            step = limit if self.slow_start else 1.0
             limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
             reason = GROWTH
         self._hold = HOLD_WINDOWS if reason == LISTENER_BEHIND else max(0, self._hold - 1)
@@ -341,8 +339,8 @@ class CapacityLimit:
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful
-            self._cut, self._quiet_s, self._cut_from = True, 0.0, min(before, float(peak_admitted))
-        elif self.limit > before and self._cut:  # a careful growth: the next waits for its streams' cost
+            self._quiet_s, self._cut_from = 0.0, min(before, float(peak_admitted))
+        elif self.limit > before and not self.slow_start:  # a careful growth: the next waits for its streams' cost
             self._quiet_s = 0.0
         return self.limit
 

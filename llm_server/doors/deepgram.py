@@ -133,7 +133,7 @@ class DeepgramSocket:
                 await self._speak(text)
         elif kind == "Flush":
             self.flushes += 1
-            self.groups.end()  # nothing to speak: Flushed at once, in order after what plays
+            self.groups.end()  # with nothing to speak, an empty group: Flushed in order after what plays
         elif kind == "Clear":
             await self.groups.clear()
             await self.out.tell({"type": "Cleared", "sequence_id": self.flushes})

@@ -326,17 +326,17 @@ def _fields(message: dict) -> tuple[str, str, str | None, str]:
 def _recording(data: str, limit: int) -> Callable[[], Awaitable[bytes]]:
     """audio_data, decoded off the loop when make_clone asks for it (once the name is free); ApiError past `limit`
     bytes, before any decoding, or for what is not base64."""
+    too_large = f"audio_data: the recording is over this worker's limit of {limit} bytes (max_reference_bytes)"
+
     async def read() -> bytes:
         if len(data) > _base64_chars(limit):
-            raise ApiError(413, f"audio_data: the recording is over this worker's limit of {limit} bytes "
-                                "(max_reference_bytes)")
+            raise ApiError(413, too_large)
         try:
             audio = await asyncio.to_thread(base64.b64decode, data, validate=True)
         except binascii.Error as exc:
             raise ApiError(400, f"audio_data is not base64: {exc}") from None
         if len(audio) > limit:  # the base64 bound lets up to 2 bytes more through
-            raise ApiError(413, f"audio_data: the recording is over this worker's limit of {limit} bytes "
-                                "(max_reference_bytes)")
+            raise ApiError(413, too_large)
         return audio
     return read
 
