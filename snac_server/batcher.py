@@ -2,10 +2,10 @@
 
 Each stream has at most one row queued or decoding; a stream with new frames submits its next row
 as soon as its last one is back, with the time its listener needs that audio (its due time). Loop: block
-for work only when idle; gather rows until the batch is full or the first one has waited max_wait; decode
-in one step the rows due first, up to max_batch rows and one forward's frames (the runner's max_step_frames),
-the rest staying queued for the next step; hand each row's PCM back to the event loop that asked. The asyncio
-side never waits on the model, only on futures.
+for work only when idle; gather rows until the batch is full, every stream's row is in, or the first one has
+waited max_wait; decode in one step the rows due first, up to max_batch rows and one forward's frames (the runner's
+max_step_frames), the rest staying queued for the next step; hand each row's PCM back to the event loop that asked.
+The asyncio side never waits on the model, only on futures.
 
 Due first, not first come: a stream far ahead of its listener asks for its next frames as soon as its last
 row is back, so in arrival order every step decoded a row of every stream, and a new stream's first audio
@@ -135,6 +135,17 @@ class _Waiting:
             heapq.heappush(self.jobs, (item.due, next(self._order), item))
         return False
 
+    def every_stream_in(self, slots_in_use: int) -> bool:
+        """Whether every stream holding a slot has its row queued, less those whose slot waits to go back: no other
+        row can come before this step (a stream has one row at a time), only a new stream's. Reference windows hold
+        no slot, so a queue with one never is."""
+        slots = set()
+        for _, _, job in self.jobs:
+            if job.slot is None:
+                return False
+            slots.add(job.slot)
+        return len(slots) >= slots_in_use - len(self._releases)
+
     @property
     def first_enqueued(self) -> float:
         return min((job.enqueued for _, _, job in self.jobs), default=time.perf_counter())
@@ -225,12 +236,14 @@ class MicroBatcher:
                 self.slots.release(slot)
 
     def _gather(self, waiting: _Waiting) -> bool:
-        """Take what was queued meanwhile, and more until the batch is full or the longest-waiting row has waited
-        max_wait (rows left from the last step have: no wait). Returns whether stop() was called."""
+        """Take what was queued meanwhile, and more until the batch is full, every stream's row is in, or the
+        longest-waiting row has waited max_wait (rows left from the last step have: no wait). Returns whether stop()
+        was called."""
         deadline = waiting.first_enqueued + self._max_wait_s
         stopping = False
         while not stopping:
-            timeout = deadline - time.perf_counter() if len(waiting.jobs) < self._max_batch else 0.0
+            wait = len(waiting.jobs) < self._max_batch and not waiting.every_stream_in(self.slots.in_use())
+            timeout = deadline - time.perf_counter() if wait else 0.0
             try:
                 item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
             except queue.Empty:

@@ -51,14 +51,43 @@ class _Conv(nn.Module):
         return y, full[..., full.shape[-1] - self.context :]
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, L) -> (B * L, C): every row's positions as the rows of one GEMM."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1])
+
+
+class _Pointwise(nn.Module):
+    """A 1x1 Conv1d at the frame rate (SNAC's widening 768 -> 1024) as one GEMM over every row's positions. A
+    convolution reads its 3 MiB of weights once per row (7.3 ms for 8 rows of a frame on one EPYC core, 0.6 as a
+    GEMM); where positions are many (the blocks' 1x1s) the convolution is as fast or faster: they stay convolutions."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        super().__init__()
+        if conv.kernel_size[0] != 1 or conv.groups != 1:
+            raise ValueError(f"not a pointwise convolution: {conv}")
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.conv
+        y = torch.addmm(c.bias, _rows(x), c.weight[:, :, 0].t())  # (B * L, out)
+        return y.view(x.shape[0], x.shape[2], -1).transpose(1, 2)
+
+
 class _ConvTranspose(nn.Module):
     """SNAC's upsampling ConvTranspose1d (kernel 2s, stride s), streaming by overlap-add: it keeps the
-    partial sums of the s outputs that still wait for the next input."""
+    partial sums of the s outputs that still wait for the next input.
 
-    def __init__(self, conv: nn.ConvTranspose1d) -> None:
+    `one_gemm`: the first block's (1024 -> 512, 32 MiB of weights, 4 positions a frame) as one GEMM over every row's
+    positions, each input's 2s outputs added to its block of s and the next's. The convolution reads the weights
+    once per row: 33 ms for 8 rows of a frame on one EPYC core, 47 for a lone row, against 9 and 4 as a GEMM
+    (benchmarks/README.md, the compiled step). The later blocks' convolutions, with more positions and smaller
+    weights, are as fast as the GEMM or faster."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, one_gemm: bool = False) -> None:
         super().__init__()
         self.conv = conv
         self.stride = conv.stride[0]
+        self.one_gemm = one_gemm
         if conv.kernel_size[0] != 2 * self.stride or conv.padding[0] != self.stride // 2 or conv.output_padding[0]:
             raise ValueError(f"not SNAC's even-stride upsampling convolution: {conv}")
         self.delay = conv.padding[0]  # at its output rate
@@ -67,11 +96,20 @@ class _ConvTranspose(nn.Module):
         return self.conv.out_channels, self.stride
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.one_gemm:
+            return self._one_gemm(x, tail)
         y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride)  # (B, C, (m + 1) * s)
         done = x.shape[-1] * self.stride
         out = y[..., :done]
         out[..., : self.stride] += tail
         return out + self.conv.bias[:, None], y[..., done:]
+
+    def _one_gemm(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (b, k, m), c, s = x.shape, self.conv.out_channels, self.stride
+        y = (_rows(x) @ self.conv.weight.reshape(k, c * 2 * s)).view(b, m, c, 2, s)
+        later = torch.cat([tail[:, None], y[:, :-1, :, 1]], dim=1)  # what the input before each one left to add
+        out = (y[:, :, :, 0] + later).permute(0, 2, 1, 3).reshape(b, c, m * s)
+        return out + self.conv.bias[:, None], y[:, -1, :, 1]
 
 
 class _Residual(nn.Module):
@@ -97,12 +135,12 @@ class _Residual(nn.Module):
 class _Block(nn.Module):
     """A DecoderBlock: Snake, upsampling, positional noise, three residual units."""
 
-    def __init__(self, block: DecoderBlock) -> None:
+    def __init__(self, block: DecoderBlock, one_gemm: bool) -> None:
         super().__init__()
         self.snake, up, noise, *units = block.block
         if not isinstance(noise, PositionalNoise) or len(units) != 3:
             raise ValueError("expected SNAC's noise DecoderBlock with positional noise installed")
-        self.up = _ConvTranspose(up)
+        self.up = _ConvTranspose(up, one_gemm)
         self.noise = noise
         self.units = nn.ModuleList(_Residual(u) for u in units)
 
@@ -127,8 +165,8 @@ class StreamingDecoder(nn.Module):
         self.quantizer = decoder.quantizer
         self.dtype = decoder.dtype
         self.first = _Conv(layers[0])
-        self.widen = layers[1]
-        self.blocks = nn.ModuleList(_Block(b) for b in blocks)
+        self.widen = _Pointwise(layers[1])
+        self.blocks = nn.ModuleList(_Block(b, one_gemm=i == 0) for i, b in enumerate(blocks))  # the frame rate's
         self.last_snake = layers[-3]
         self.last = _Conv(layers[-2])
         self.num_slots = num_slots

@@ -13,7 +13,7 @@ import torch
 from conftest import random_frames
 from processes import TEST_CODEC
 from orpheus_common.sync_detector import host_syncs
-from snac_server.batcher import MicroBatcher
+from snac_server.batcher import DecodeJob, MicroBatcher, _Waiting
 from snac_server.codec_model import build_decoder
 from snac_server.metrics import SnacMetrics
 from snac_server.runner import CPU_STEP_FRAMES, DecoderRunner
@@ -242,6 +242,42 @@ async def test_a_row_without_a_due_time_is_due_when_it_came_and_one_of_a_frame_e
         runner.first_step_may_end.set()
         batcher.stop()
     assert runner.steps == [[0], list(range(1, 17)), list(range(17, 21))]  # arrival order, 16 frames a step
+
+
+async def test_a_step_starts_once_every_stream_holding_a_slot_has_its_row_in():
+    """A stream has one row at a time: once every stream holding a slot has queued its row, waiting on (max_wait)
+    only delays them all (5 ms a step of ~135 ms in snac_tier's trickle on this CPU). Before, each step waited out
+    max_wait: here a minute, past the test's 30 s."""
+    runner = RecordsSteps()
+    runner.first_step_may_end.set()
+    batcher = MicroBatcher(runner, max_batch=32, max_wait_s=60.0, metrics=SnacMetrics())
+    batcher.start()
+    batcher.wait_ready()
+    a, b, c = (batcher.slots.acquire() for _ in range(3))
+
+    def row(slot: int) -> StreamStep:
+        return StreamStep(slot, np.zeros((1, 7), np.int32), 0, OPEN_END, slot, False)
+
+    try:
+        first = [batcher.submit(row(a)), batcher.submit(row(b))]
+        await asyncio.sleep(0.2)  # c's stream holds a slot: its row is waited for
+        first.append(batcher.submit(row(c)))
+        await asyncio.wait_for(asyncio.gather(*first), timeout=30)
+        batcher.release_slot(c)  # c's stream ended: a and b are every stream left
+        await asyncio.wait_for(asyncio.gather(batcher.submit(row(a)), batcher.submit(row(b))), timeout=30)
+    finally:
+        batcher.stop()
+    assert runner.steps == [[a, b, c], [a, b]]
+
+
+def test_a_queue_holding_a_reference_window_never_has_every_stream_in():
+    """Windows hold no slot: the streams they come from cannot be counted, so they wait for company as before."""
+    waiting = _Waiting()
+    waiting.take(DecodeJob(Window(np.zeros((4, 7), np.int32), 0, 0), None, None))
+    assert not waiting.every_stream_in(slots_in_use=0)
+    waiting = _Waiting()
+    waiting.take(DecodeJob(StreamStep(0, np.zeros((1, 7), np.int32), 0, OPEN_END, 0, False), None, None))
+    assert waiting.every_stream_in(slots_in_use=1) and not waiting.every_stream_in(slots_in_use=2)
 
 
 class CopyDone:
