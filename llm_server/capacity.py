@@ -25,9 +25,10 @@ holds this on such curves). The engine's pace cannot see every bottleneck (a cod
 a replica behind); each admitted stream's listener at the target pace can (Listeners): a stream whose
 listener waited past its allowance (LISTENER_LAG_S unless configured) is behind, and the limit is cut by
 LISTENER_BACKOFF of the streams its window admitted, once for the streams admitted past it; past the slow
-start it grows only after LISTENER_QUIET_S of audio in which no listener waited, except back up to a stream below
-the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an overload admits a
-level it kept before within a queue's wait). A codec stream failing over (a replica refusing, stalling or gone)
+start it grows only after LISTENER_QUIET_S of audio in which no listener waited and the codec tier delivered what it
+owed at CODEC_ROOM x the target pace (a codec near its capacity shows before its listeners wait), except back up to
+a stream below the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an
+overload admits a level it kept before within a queue's wait). A codec stream failing over (a replica refusing, stalling or gone)
 cuts it by CODEC_BACKOFF. Either cut holds growth for HOLD_WINDOWS. The limit stays within [floor, ceiling].
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -74,6 +76,14 @@ LISTENER_BACKOFF = 0.9  # a cut for streams behind takes this much off the strea
 # between rows show no waiting though the streams are near the edge (the limit climbed 27 -> 41 in windows that
 # showed none before the first stream fell behind, benchmark run 14; 20 -> 28 in 24 s with a growth every 3 s, run 15).
 LISTENER_QUIET_S = 1.5
+# ... and only while the codec tier delivered the audio it owed, over that same span, at CODEC_ROOM x the target pace
+# or faster: a replica decodes the rows due first, so with room it runs its streams ahead of their listeners and
+# the pace it delivers at is well above the target, and near its capacity it falls toward the target while no
+# listener waits yet (its rows still come in time). The listeners showed the codec's capacity only once it was
+# passed, and a stream's life later: on a CPU, careful growth went 17 -> 29 through quiet spans, against 21 kept
+# pinned, and at 29 26 streams ran dry (benchmark run 24). Not a cut: a pace judged too low cut the limit while the
+# streams of the last cut still ended (runs 6-8). GPU or CPU alike: a ratio of the target.
+CODEC_ROOM = 1.5
 
 
 @dataclass(frozen=True)
@@ -260,6 +270,7 @@ class CapacityLimit:
         self._cut_from: float | None = None  # the streams admitted when the limit was last cut (None: never cut)
         self._kept: float | None = None  # the streams the last window's pace keeps at the target, if it had room
         self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
+        self._codec: deque[tuple[float, float, float]] = deque()  # (when, owed audio s, wait s): the last quiet span's
 
     @property
     def streams(self) -> int:
@@ -292,6 +303,20 @@ class CapacityLimit:
         self.reason = GROWTH if self.limit > before else None
         return self.limit > before
 
+    def codec_delivered(self, audio_s: float, wait_s: float, now: float) -> None:
+        """The codec tier delivered `audio_s` of owed audio for `wait_s` of streams waiting on it since the last call
+        (codec_client's owed counts); kept for a quiet span (LISTENER_QUIET_S of audio at the target pace)."""
+        self._codec.append((now, audio_s, wait_s))
+        while self._codec[0][0] < now - LISTENER_QUIET_S / self.target_pace:
+            self._codec.popleft()
+
+    @property
+    def codec_pace(self) -> float | None:
+        """The pace the codec tier delivered owed audio at over the last quiet span, over the target; None when no
+        stream waited on it."""
+        wait = sum(w for _, _, w in self._codec)
+        return sum(a for _, a, _ in self._codec) / wait / self.target_pace if wait > 0 else None
+
     def codec_failover(self) -> None:
         """A codec stream failed over since the last window (a replica refused, stalled or went away): the next
         update cuts the limit by CODEC_BACKOFF, once however many did."""
@@ -311,7 +336,8 @@ class CapacityLimit:
         # admitted when the limit was last cut, it is one stream a settled window, as TCP CUBIC returns to where it lost
         # packets (not the limit: a slow start's last doubling, 16 -> 32 for a burst of 24, was never in use).
         recovering = not self.slow_start and limit + 1.0 <= self._cut_from - 1.0
-        quiet = self.slow_start or recovering or self._quiet_s * self.target_pace >= LISTENER_QUIET_S
+        codec_room = self.codec_pace is None or self.codec_pace >= CODEC_ROOM
+        quiet = self.slow_start or recovering or (self._quiet_s * self.target_pace >= LISTENER_QUIET_S and codec_room)
         room = pace is not None and pace >= self.target_pace and heard.settled
         self._kept = window.mean_decoding * pace / self.target_pace if room else None
         if pace is not None and pace < self.target_pace:

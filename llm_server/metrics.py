@@ -91,6 +91,10 @@ class LlmMetrics:
             self.limit_changes.labels(reason)  # exported at 0 from the start: a rate() needs the series
         self.pace = Gauge("megapod_worker_pace_ratio", "Tokens per decoding stream over real time, last window "
                           "(1: exactly real time; NaN: too little decoding to say)", registry=r)
+        self.codec_pace = Gauge("megapod_worker_codec_pace_ratio", "The pace the codec tier delivered owed audio at "
+                                "over the last quiet span (capacity.LISTENER_QUIET_S), over the target pace; past the "
+                                "slow start the limit grows only at capacity.CODEC_ROOM or more (NaN: no stream waited "
+                                "on the codec)", registry=r)
         self.streams_behind = Counter("megapod_worker_streams_behind", "Admitted streams whose listener at the "
                                       "target pace waited past the lag admission allows (capacity.LISTENER_LAG_S)",
                                       registry=r)

@@ -123,6 +123,7 @@ class Runtime:
         metrics.decoding.set_function(lambda: admission.meter.decoding_now)
         metrics.queued.set_function(lambda: admission.queued)
         metrics.pace.set_function(lambda: math.nan if limit.pace is None else limit.pace)
+        metrics.codec_pace.set_function(lambda: math.nan if limit.codec_pace is None else limit.codec_pace)
         pipeline = SpeechPipeline(engine, codec, tokenizer, config, metrics, admission.meter)
         decoder = ReferenceDecoder(ReferenceBounds(max_s=config.max_reference_s), config.reference_decode_timeout_s,
                                    config.max_reference_uploads)
@@ -153,6 +154,8 @@ class Runtime:
             try:  # a failure here must not freeze the limit for the worker's life
                 now = CodecCounts.of(self.codec)
                 self.metrics.counted_codec(now - counted)
+                self.admission.limit.codec_delivered(now.owed_audio_s - counted.owed_audio_s,
+                                                     now.owed_wait_s - counted.owed_wait_s, time.monotonic())
                 if now.failovers > counted.failovers:
                     self.admission.limit.codec_failover()
                     failovers += now.failovers - counted.failovers
@@ -184,11 +187,12 @@ class Runtime:
         limit, heard = self.admission.limit, self.admission.heard
         self.metrics.limit_changes.labels(limit.reason).inc()
         pace = "-" if window.pace is None else f"{window.pace:.2f}"
+        codec = "-" if limit.codec_pace is None else f"{limit.codec_pace:.2f}x"
         log.info("admission limit %d -> %d streams: %s (pace %s against a target of %.2f, %.1f streams decoding, %d "
                  "admitted; listeners at the target pace: %d fell behind, %d of them admitted since the last cut, the "
-                 "most lag of one waiting %.3f s; %d codec failovers)", before, limit.streams, limit.reason, pace,
-                 limit.target_pace, window.mean_decoding, self.admission.active, heard.behind, heard.behind_since_cut,
-                 heard.waiting_lag_s, failovers)
+                 "most lag of one waiting %.3f s; codec owed audio at %s the target; %d codec failovers)", before,
+                 limit.streams, limit.reason, pace, limit.target_pace, window.mean_decoding, self.admission.active,
+                 heard.behind, heard.behind_since_cut, heard.waiting_lag_s, codec, failovers)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""

@@ -8,16 +8,19 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 
 from llm_server.admission import CAPACITY, KEY, START_RAMP_S, AdmissionController
 from llm_server.capacity import (
     CODEC_FAILOVER,
+    CODEC_ROOM,
     GROWTH,
     HOLD_WINDOWS,
     LISTENER_BEHIND,
     LISTENER_LAG_S,
+    LISTENER_QUIET_S,
     REALTIME_TOKENS_PER_S,
     SLOW,
     WINDOW_TOKENS,
@@ -421,13 +424,33 @@ def test_the_way_back_after_a_cut_ends_below_the_streams_it_found_in_use_not_bel
     assert grew == list(range(1, 8)) and limit.limit == 23, grew
 
 
-def growths_in_use(limit: CapacityLimit, seconds: int, waited_at: int | None = None) -> list[int]:
+def test_past_the_way_back_growth_waits_for_a_codec_with_room_too():
+    """Quiet listeners are not enough: a replica decodes the rows due first, so near its capacity its streams' rows
+    still come in time while the pace it delivers at falls toward the target (benchmark run 24: careful growth 17 -> 29
+    through quiet spans against 21 kept pinned, then 26 streams ran dry). Past the way back, careful growth waits for
+    a quiet span in which the codec delivered what it owed at CODEC_ROOM x the target or faster: at 1.2 x it does not
+    grow; once it delivers at 2 x, it grows when the span's pace reaches CODEC_ROOM. The way back does not wait."""
+    limit = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=0.105)
+    limit.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20)  # 0.05 x: cut to 10
+    assert limit.limit == 10
+    grew = growths_in_use(limit, seconds=60, codec_pace=lambda second: 1.2 if second <= 30 else 2.0)
+    span = LISTENER_QUIET_S / 0.105
+    first_with_room = 30 + math.ceil(span * (CODEC_ROOM - 1.2) / (2.0 - 1.2))  # 2 x's share of the span makes 1.5 x
+    assert grew[:9] == list(range(1, 10)), "back to a stream below the 20 admitted at the cut, the codec not asked"
+    assert grew[9] == first_with_room and limit.codec_pace == pytest.approx(2.0), grew
+
+
+def growths_in_use(limit: CapacityLimit, seconds: int, waited_at: int | None = None,
+                   codec_pace: Callable[[int], float] | None = None) -> list[int]:
     """Windows of a second of 10 streams at 1 x real time (10 x a CPU's target), the limit always in use: the seconds at
-    which it grew; at `waited_at` a listener waited a little."""
+    which it grew; at `waited_at` a listener waited a little; each second the codec tier delivered what it owed the 10
+    streams at codec_pace(second) x the target pace (None: nobody waited on it)."""
     fast = Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0)
     grew = []
     for second in range(1, seconds + 1):
         heard = ListenerWindow(waiting_lag_s=0.01) if second == waited_at else None
+        if codec_pace is not None:
+            limit.codec_delivered(10 * codec_pace(second) * limit.target_pace, 10.0, now=float(second))
         limit.update(fast, limit.streams, limit.streams, heard)
         if limit.reason == GROWTH:
             grew.append(second)
@@ -480,6 +503,7 @@ async def test_the_worker_cuts_for_a_stream_behind_and_a_failover_and_exports_th
             assert registry.get_sample_value("orpheus_codec_owed_audio_seconds_total") == pytest.approx(0.17)
             assert registry.get_sample_value("orpheus_codec_owed_wait_seconds_total") == pytest.approx(0.17 / 0.09)
             assert registry.get_sample_value("orpheus_codec_late_chunks_total") == 1
+            assert registry.get_sample_value("megapod_worker_codec_pace_ratio") == pytest.approx(0.09 / CPU_TARGET)
             runtime.codec._failed_over()
             await windows(2)
             assert limit.streams == int(16 * 0.9 * 0.9)
@@ -489,6 +513,7 @@ async def test_the_worker_cuts_for_a_stream_behind_and_a_failover_and_exports_th
         assert "20 -> 14 streams: listener_behind" in lines[0]
         assert "1 fell behind, 1 of them admitted since" in lines[0]
         assert "16 admitted" in lines[0] and "0 codec failovers" in lines[0]
+        assert "codec owed audio at 0.86x the target" in lines[0]
         assert "14 -> 12 streams: codec_failover" in lines[1] and "1 codec failovers" in lines[1]
     finally:
         watching.cancel()

@@ -91,37 +91,46 @@ orpheus_active_streams 3.0
 megapod_worker_decoding_streams 2.5
 # TYPE orpheus_codec_failovers counter
 orpheus_codec_failovers_total {failovers}
+# TYPE orpheus_codec_owed_audio_seconds counter
+orpheus_codec_owed_audio_seconds_total {owed_audio}
+# TYPE orpheus_codec_owed_wait_seconds counter
+orpheus_codec_owed_wait_seconds_total {owed_wait}
 """
 
 
+def page(failovers: float, owed_audio: float = 0.0, owed_wait: float = 0.0) -> str:
+    return PAGE.format(failovers=failovers, owed_audio=owed_audio, owed_wait=owed_wait)
+
+
 def test_metrics_page_parsed_once_for_every_name():
-    values = gauges(PAGE.format(failovers=3.0), [*admission.GAUGES.values(), admission.FAILOVERS])
+    values = gauges(page(3.0), [*admission.GAUGES.values(), admission.FAILOVERS])
     assert values["megapod_worker_capacity_streams"] == 4.0 and values["orpheus_active_streams"] == 3.0
     assert values[admission.FAILOVERS] == 3.0  # a counter's sample: its name with _total
     assert math.isnan(values["megapod_worker_queued_streams"])  # an older worker: absent
     assert all(math.isnan(v) for v in gauges("<html>502</html>", ["orpheus_active_streams"]).values())
 
 
-def _reader(page: dict[str, str]):
+def _reader(text: dict[str, str]):
     async def read(*names: str) -> dict[str, float]:  # LocalStack.worker_metrics over one worker
-        return gauges(page["text"], names)
+        return gauges(text["text"], names)
     return read
 
 
 def test_sampler_records_the_gauges_beside_a_level_and_the_failovers_over_it():
-    page = {"text": PAGE.format(failovers=3.0)}
+    text = {"text": page(3.0, owed_audio=10.0, owed_wait=20.0)}
 
     async def level() -> LevelRun:
         t0 = time.perf_counter()
         await asyncio.sleep(0.3)
-        page["text"] = PAGE.format(failovers=5.0)  # two codec streams failed over during the level
+        text["text"] = page(5.0, owed_audio=16.0, owed_wait=80.0)  # two failovers; 6 s of owed audio in 60 s waited
         await asyncio.sleep(0.05)
         return LevelRun("unconfigured", 1, 1, "closed", t0, 0.0, 0.0, "complete", time.perf_counter() - t0, [], {}, 0.0)
 
-    run, figures = asyncio.run(admission.sampled(_reader(page), level(), period_s=0.05))
+    run, figures = asyncio.run(admission.sampled(_reader(text), level(), period_s=0.05))
     assert run.endpoint == "unconfigured"  # the level's own run, handed back
     g = figures["gauges"]
-    assert figures["codec_failovers"] == 2
+    assert figures["codec_failovers"] == 2 and figures["codec_owed_pace"] == 0.1
+    assert g["codec_owed_audio_s"][0] == 10 and g["codec_owed_wait_s"][-1] == 80
     assert g["period_s"] == 0.05 and len(g["t"]) >= 4  # 0.35 s at 0.05 s: about 7 samples
     assert g["t"] == sorted(g["t"]) and -0.1 <= g["t"][0] <= 0.1  # seconds from the level's start
     assert set(g["limit"]) == {4} and set(g["admitted"]) == {3} and set(g["decoding"]) == {2.5}
@@ -131,13 +140,14 @@ def test_sampler_records_the_gauges_beside_a_level_and_the_failovers_over_it():
 
 
 def test_sampler_without_the_failover_counter_says_none():
-    page = {"text": "# TYPE orpheus_active_streams gauge\norpheus_active_streams 1.0\n"}
+    text = {"text": "# TYPE orpheus_active_streams gauge\norpheus_active_streams 1.0\n"}
 
     async def level() -> LevelRun:
         return LevelRun("x", 1, 1, "closed", time.perf_counter(), 0.0, 0.0, "complete", 0.0, [], {}, 0.0)
 
-    _, figures = asyncio.run(admission.sampled(_reader(page), level(), period_s=0.05))
+    _, figures = asyncio.run(admission.sampled(_reader(text), level(), period_s=0.05))
     assert figures["codec_failovers"] is None and figures["gauges"]["limit"] == [None] * len(figures["gauges"]["t"])
+    assert figures["codec_owed_pace"] is None
 
 
 # -- outcome and acceptance ----------------------------------------------------------------------

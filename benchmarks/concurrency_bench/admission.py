@@ -37,8 +37,14 @@ AUDIO_WITHIN_S = 10.0  # at pace 1; divided by the pace (the listener's slow mot
 REFUSED = (429, 503)
 # What the plot shows, by the worker gauge it reads (summed over the workers); absent on an older worker: None.
 GAUGES = {"limit": "megapod_worker_capacity_streams", "admitted": "orpheus_active_streams",
-          "decoding": "megapod_worker_decoding_streams", "queued": "megapod_worker_queued_streams"}
+          "decoding": "megapod_worker_decoding_streams", "queued": "megapod_worker_queued_streams",
+          "codec_owed_audio_s": "orpheus_codec_owed_audio_seconds_total",  # counters: their differences over time
+          "codec_owed_wait_s": "orpheus_codec_owed_wait_seconds_total"}
 FAILOVERS = "orpheus_codec_failovers_total"  # codec streams failed over to another replica: stalled, refused, gone
+# Audio the codec tier delivered while streams waited on it, and their waits, summed over the workers: over a level,
+# the pace it delivered owed audio at (x real time; the limit grows past its slow start only while the worker's own
+# figure, over a quiet span, is capacity.CODEC_ROOM x its target or more).
+OWED = ("orpheus_codec_owed_audio_seconds_total", "orpheus_codec_owed_wait_seconds_total")
 SAMPLE_S = 0.5
 
 Read = Callable[..., Awaitable[dict[str, float]]]  # LocalStack.worker_metrics: names -> sums (nan: unreadable)
@@ -66,8 +72,9 @@ def overload_shape(shape: LoadShape, audio_within_s: float) -> LoadShape:
 
 async def sampled(read: Read, level: Awaitable[LevelRun], period_s: float = SAMPLE_S) -> tuple[LevelRun, dict]:
     """Run `level` with the worker's gauges read every `period_s` beside it; returns the run and its figures:
-    the gauges' series (seconds from the level's start) and the codec failovers over the level."""
-    before = (await read(FAILOVERS))[FAILOVERS]
+    the gauges' series (seconds from the level's start), the codec failovers over the level and the pace the codec
+    delivered owed audio at over it (x real time)."""
+    before = await read(FAILOVERS, *OWED)
     rows: list[tuple[float, dict[str, float]]] = []
     poller = asyncio.create_task(_poll(read, rows, period_s))
     try:
@@ -75,9 +82,11 @@ async def sampled(read: Read, level: Awaitable[LevelRun], period_s: float = SAMP
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
-    after = (await read(FAILOVERS))[FAILOVERS]
-    failovers = None if math.isnan(before) or math.isnan(after) else round(after - before)
-    return run, {"gauges": series(rows, run.t0, period_s), "codec_failovers": failovers}
+    after = await read(FAILOVERS, *OWED)
+    failovers, audio_s, wait_s = (after[name] - before[name] for name in (FAILOVERS, *OWED))
+    owed_pace = audio_s / wait_s if wait_s > 0 else math.nan
+    return run, {"gauges": series(rows, run.t0, period_s), "codec_failovers": None if math.isnan(failovers) else
+                 round(failovers), "codec_owed_pace": _finite(round(owed_pace, 3))}
 
 
 async def _poll(read: Read, rows: list[tuple[float, dict[str, float]]], period_s: float) -> None:
@@ -182,7 +191,7 @@ def acceptance(n_pinned: int, fresh: dict, n_warm: int, overloads: dict[int, dic
 
 BRIEF = ("n", "passed", "reasons", "ended_by", "wall_s", "success_share", "realtime_share", "ttfa_s",
          "required_buffer_s", "admitted_requests", "admitted_over_buffer", "refused_requests", "clients",
-         "clients_audio_within_share", "codec_failovers")
+         "clients_audio_within_share", "codec_failovers", "codec_owed_pace")
 
 
 def brief(record: dict) -> dict[str, Any]:
@@ -200,7 +209,8 @@ def figures_line(r: dict) -> str:
     """An admission level's figures beside its level_line."""
     return (f"    admitted {r['admitted_requests']} (over the buffer {r['admitted_over_buffer']}), refused "
             f"{r['refused_requests']}, clients with audio within {r['clients_audio_within_s']:g} s "
-            f"{pct(r['clients_audio_within_share'])}, codec failovers {_n(r.get('codec_failovers'))}")
+            f"{pct(r['clients_audio_within_share'])}, codec failovers {_n(r.get('codec_failovers'))}, codec owed audio "
+            f"at {_n(r.get('codec_owed_pace'))}x real time")
 
 
 def summary_text(block: dict) -> str:
