@@ -6,8 +6,6 @@ is flag `--max-streams` and variable `ORPHEUS_MAX_STREAMS`.
 
 from __future__ import annotations
 
-import math
-
 import os
 from typing import Literal
 
@@ -42,11 +40,6 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values 
 GPU_TARGET_PACE = 1.05  # streams decode 5% ahead of real time
 CPU_TARGET_PACE = 0.105  # a tenth of that: slow motion
 ADMISSION_QUEUE_S = 0.3  # the longest wait for a slot at the GPU's target pace (slowed as the target is)
-# A refused request's Retry-After at the GPU's target pace (slowed as the target is: 10 s in a CPU's slow motion,
-# where a stream lasts ten times longer). Told to retry every wall-clock second, the 58 clients refused at issue 43's
-# 3x level on a CPU asked 22 times a second, and the front's relays (and those clients, on the same two cores) took
-# 0.13 cores from the codec tier, the bottleneck: the streams admitted at the level's start ran dry.
-RETRY_AFTER_S = 1.0
 CODEC_STALL_TIMEOUT_S = 10.0  # owed codec audio none for this long at the GPU's target pace: a hung replica
 
 
@@ -207,12 +200,6 @@ class LlmServerConfig(TlsSettings):
     def resolved_codec_stall_timeout_s(self) -> float:
         """codec_stall_timeout_s, or its default for the target pace."""
         return self.codec_stall_timeout_s if self.codec_stall_timeout_s is not None else self.slowed(CODEC_STALL_TIMEOUT_S)
-
-    @property
-    def retry_after_s(self) -> int:
-        """Whole seconds a refused client is told to wait before it asks again (HTTP's Retry-After): RETRY_AFTER_S
-        slowed as the target pace is, at least 1."""
-        return max(1, math.ceil(self.slowed(RETRY_AFTER_S) - 1e-9))
 
     @property
     def resolved_admission_queue_s(self) -> float:

@@ -356,7 +356,6 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         at_limit = False
-        retry_after = 1  # the longest Retry-After a worker's refusal said (its target pace's second)
         timed_out: list[str] = []  # workers whose connect timed out: tried again after the others
         for url, timeout in _attempts(pool.order(requested_voice(request.url.path, body)), timed_out):
             if not pool.acquire(url):
@@ -377,7 +376,6 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             routed.labels(url, str(upstream.status_code)).inc()
             if upstream.status_code == 429:
                 at_limit = True
-                retry_after = max(retry_after, _whole_seconds(upstream.headers.get("retry-after")))
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
                 pool.report(url, upstream.headers.get(CAPACITY_FREE),  # after: the refused stream is not held
                             loaded=upstream.headers.get(LOADED_VOICES))
@@ -389,7 +387,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         if not at_limit:
             return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
         return error_response(429, "every worker is at its stream limit; retry shortly", code="rate_limit_exceeded",
-                              headers={"Retry-After": str(retry_after)})
+                              headers={"Retry-After": "1"})
 
     async def relay_socket(ws: WebSocket) -> None:
         await _relay_socket(ws, pool, active)
@@ -501,14 +499,6 @@ async def _forward(client: httpx.AsyncClient, pool: WorkerPool, request: Request
         relayed = {k: v for k, v in reply.headers.items() if k.lower() in ("www-authenticate", "x-request-id", "retry-after")}
         return Response(reply.content, reply.status_code, headers=relayed, media_type=reply.headers.get("content-type"))
     return error_response(503, "no worker reachable")
-
-
-def _whole_seconds(value: str | None) -> int:
-    """A Retry-After of whole seconds (a worker's), within 1..60; 1 when absent or not a number."""
-    try:
-        return min(max(int(value or 1), 1), 60)
-    except ValueError:
-        return 1
 
 
 async def _discard(refusal: httpx.Response) -> None:

@@ -134,10 +134,3 @@ def test_a_megapod_sets_real_tier_settings(tier: str, cls: type[Settings]):
     settings = MegaPodConfig().tier_settings(tier)
     assert settings and settings.keys() <= cls.model_fields.keys()
     cls(**settings)  # and values it takes (ValidationError otherwise)
-
-
-@pytest.mark.parametrize("target_pace, retry_after_s", [(1.05, 1), (0.105, 10), (0.5, 3), (4.0, 1)])
-def test_a_refusals_retry_after_is_a_second_slowed_as_the_target_pace_is(target_pace, retry_after_s):
-    """A second at a GPU's target pace, ten in a CPU's slow motion (where a stream lasts ten times longer and clients
-    told to come back every second refused 22 times a second), whole seconds and at least one, as HTTP has them."""
-    assert LlmServerConfig(target_pace=target_pace).retry_after_s == retry_after_s

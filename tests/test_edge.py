@@ -320,9 +320,7 @@ async def test_api_keys_per_key_caps_rotation_and_a_broken_reload(snac_server, t
             async with client.stream("POST", "/v1/audio/speech", json=body(), headers=_auth(ALICE)) as held:
                 assert held.status_code == 200
                 refused = await client.post("/v1/audio/speech", json=body(), headers=_auth(ALICE))
-                # a second of audio at the target pace: 10 s in a CPU worker's slow motion (1 s on a GPU)
-                assert refused.status_code == 429 and refused.headers["retry-after"] == "10"
-                assert served.runtime.config.retry_after_s == 10
+                assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
                 assert "'alice'" in refused.json()["error"]["message"] and "limit of 1" in refused.json()["error"]["message"]
                 async with client.stream("POST", "/v1/audio/speech", json=body(), headers=_auth(BOB)) as other:
                     assert other.status_code == 200

@@ -75,7 +75,7 @@ async def open_session(request: Request, spec: SpeechSpec, name: str) -> SpeechS
     try:
         return await opening
     except Refused as exc:
-        raise refused_error(exc, request.app.state.runtime.config.retry_after_s) from None
+        raise refused_error(exc) from None
 
 
 async def _abandon(opening: asyncio.Future[SpeechSession]) -> None:
@@ -103,8 +103,8 @@ def admission_wait(request: Request) -> float:
         return wait_s
 
 
-def refused_error(exc: Refused, retry_after_s: int) -> ApiError:
-    return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+def refused_error(exc: Refused) -> ApiError:
+    return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
 async def text_body(request: Request, field: str) -> dict:
