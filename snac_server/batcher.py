@@ -136,15 +136,15 @@ class _Waiting:
         return False
 
     def every_stream_in(self, slots_in_use: int) -> bool:
-        """Whether every stream holding a slot has its row queued, less those whose slot waits to go back: no other
-        row can come before this step (a stream has one row at a time), only a new stream's. Reference windows hold
-        no slot, so a queue with one never is."""
-        slots = set()
+        """Whether every slot in use has its stream's row queued or waits to go back (its stream ended): no other row
+        can come before this step (a stream has one row at a time), only a new stream's. Reference windows hold no
+        slot, so a queue with one never is."""
+        slots = set(self._releases)
         for _, _, job in self.jobs:
             if job.slot is None:
                 return False
             slots.add(job.slot)
-        return len(slots) >= slots_in_use - len(self._releases)
+        return len(slots) >= slots_in_use
 
     @property
     def first_enqueued(self) -> float:

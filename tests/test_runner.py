@@ -13,7 +13,7 @@ import torch
 from conftest import random_frames
 from processes import TEST_CODEC
 from orpheus_common.sync_detector import host_syncs
-from snac_server.batcher import DecodeJob, MicroBatcher, _Waiting
+from snac_server.batcher import DecodeJob, MicroBatcher, _Release, _Waiting
 from snac_server.codec_model import build_decoder
 from snac_server.metrics import SnacMetrics
 from snac_server.runner import CPU_STEP_FRAMES, DecoderRunner
@@ -278,6 +278,10 @@ def test_a_queue_holding_a_reference_window_never_has_every_stream_in():
     waiting = _Waiting()
     waiting.take(DecodeJob(StreamStep(0, np.zeros((1, 7), np.int32), 0, OPEN_END, 0, False), None, None))
     assert waiting.every_stream_in(slots_in_use=1) and not waiting.every_stream_in(slots_in_use=2)
+    waiting.take(_Release(0))  # slot 0's stream ended, its row still queued: one slot, not two
+    assert waiting.every_stream_in(slots_in_use=1) and not waiting.every_stream_in(slots_in_use=2)
+    waiting.take(_Release(1))  # slot 1's stream ended with nothing queued: it sends nothing more
+    assert waiting.every_stream_in(slots_in_use=2)
 
 
 class CopyDone:
