@@ -29,7 +29,8 @@ start it grows only after LISTENER_QUIET_S of audio in which no listener waited 
 owed at CODEC_ROOM x the target pace (a codec near its capacity shows before its listeners wait), except back up to
 a stream below the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an
 overload admits a level it kept before within a queue's wait). A codec stream failing over (a replica refusing,
-stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for HOLD_WINDOWS. The limit stays within [floor, ceiling].
+stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for HOLD_WINDOWS. The limit stays within
+[floor, ceiling].
 """
 
 from __future__ import annotations

@@ -434,8 +434,8 @@ def test_past_the_way_back_growth_waits_for_a_codec_with_room_too():
     limit.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20)  # 0.05 x: cut to 10
     assert limit.limit == 10
     grew = growths_in_use(limit, seconds=60, codec_pace=lambda second: 1.2 if second <= 30 else 2.0)
-    span = LISTENER_QUIET_S / 0.105
-    first_with_room = 30 + math.ceil(span * (CODEC_ROOM - 1.2) / (2.0 - 1.2))  # 2 x's share of the span makes 1.5 x
+    held = math.floor(LISTENER_QUIET_S / 0.105) + 1  # the seconds' deliveries a quiet span (14.3 s) holds: 15
+    first_with_room = 30 + math.ceil(held * (CODEC_ROOM - 1.2) / (2.0 - 1.2))  # 6 of them at 2 x make 1.5 x: second 36
     assert grew[:9] == list(range(1, 10)), "back to a stream below the 20 admitted at the cut, the codec not asked"
     assert grew[9] == first_with_room and limit.codec_pace == pytest.approx(2.0), grew
 
