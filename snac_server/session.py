@@ -5,7 +5,8 @@ row to decode (one at a time: a streaming row needs the state its predecessor le
 row's PCM back to learn which samples to send. Frame and sample indices are absolute in the stream.
 
 - StreamingSession: every frame goes through the streaming decoder once. A row carries the frames
-  that arrived since the last one (the largest frame bucket that fits), and every sample whose right
+  that arrived since the last one (the largest frame bucket that fits), at most as many as the caller
+  allows (the service: what the stream's listener still has to play), and every sample whose right
   context has arrived goes out at once. After the end, flush frames push the tail out.
 - ReferenceSession: the common streaming decoder, kept for comparison: one 4-frame window per
   emitted frame (1 frame before it, 2 after), decoded from scratch.
@@ -141,15 +142,17 @@ class StreamingSession(_Session):
     def backlog(self) -> int:
         return len(self._frames)  # received, not yet fed
 
-    def next_row(self) -> StreamStep | None:
-        """Every frame that arrived since the last row (the largest bucket that fits), or None."""
+    def next_row(self, max_frames: int = 0) -> StreamStep | None:
+        """The frames that arrived since the last row, in the largest bucket that fits them and `max_frames`
+        (0: no bound; a row carries one frame at least), or None."""
         if self.in_flight or self.final_sent or self.drained:
             return None
         waiting = len(self._frames)
         available = waiting + (self._flush_left if self.ended else 0)
         if available == 0:
             return None
-        n = max(b for b in self._buckets if b <= available)
+        fits = min(available, max_frames) if max_frames > 0 else available
+        n = max(b for b in self._buckets if b <= max(1, fits))
         real = min(n, waiting)
         codes = np.zeros((n, CODES_PER_FRAME), dtype=np.int32)
         codes[:real] = self._frames[:real]
@@ -181,8 +184,9 @@ class ReferenceSession(_Session):
     def backlog(self) -> int:
         return self.received - self._next
 
-    def next_row(self) -> Window | None:
-        """The window of the next frame, once its right context (or the end) arrived."""
+    def next_row(self, max_frames: int = 0) -> Window | None:
+        """The window of the next frame, once its right context (or the end) arrived (a window emits one frame:
+        `max_frames` has nothing to bound)."""
         j = self._next
         needed = max(j + 3, REFERENCE_WINDOW)  # frame 0 has no left neighbour: its window is [0, 4)
         if self.in_flight or j >= self.received or (not self.ended and self.received < needed):
