@@ -203,8 +203,14 @@ def _endpoint(args: argparse.Namespace, name: str, url: str) -> Endpoint:
                     not args.no_seed)
 
 
-def _search(args: argparse.Namespace) -> Search:
-    return Search(args.start_n, args.max_n, args.confirm_runs, args.max_levels)
+def _search(args: argparse.Namespace, start: int | None = None) -> Search:
+    return Search(start or args.start_n, args.max_n, args.confirm_runs, args.max_levels)
+
+
+def warm_search(args: argparse.Namespace, fresh: dict) -> Search:
+    """The warm search starts at the fresh level when it passed: doubling from 1 again spent half of --quick's 12
+    levels below it (issue 43's run 28: 32 passed, then failed its repeat, and no level was left for 17-31: N_max 16)."""
+    return _search(args, fresh["n"] if fresh["passed"] else None)
 
 
 # -- running ----------------------------------------------------------------------------------
@@ -331,7 +337,8 @@ async def unconfigured_phases(args: argparse.Namespace, target: Target, n_pinned
     n_fresh = admission.fresh_n(n_pinned)
     _enter(target, admission.FRESH, f"{n_fresh} streams at once ({admission.NMAX_RATIO_MIN:.0%} of N_max_pinned {n_pinned})")
     levels = [await admission_level(args, target, n_fresh, corpus, rt, shape, jsonl)]
-    _enter(target, admission.WARM, "N_max searched again")
+    target.search = warm_search(args, levels[0])
+    _enter(target, admission.WARM, f"N_max searched again from {target.search.start}")
     levels += await search_levels(args, [target], corpus, rt, shape, jsonl)
     overload = admission.overload_shape(shape, args.audio_within_s)
     for k in admission.OVERLOADS:

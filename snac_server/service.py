@@ -82,6 +82,12 @@ def recording_of(request: codec_pb2.EncodeRequest, max_s: float) -> np.ndarray:
     return pcm
 
 
+# The fewest frames a row is bounded to (0.34 s of audio): with one-frame rows, streams already behind paid a gRPC
+# message, a worker chunk and an HTTP chunk per 85 ms of audio, and fell further behind (issue 43, run 29's 3x level:
+# chunks a second up by half, the audio delivered down by a seventh, 21 streams past the buffer mid-level).
+ROW_FRAMES_FLOOR = 4
+
+
 class _Stream:
     """What one stream's reader task and its handler share, and when its listener needs its next audio."""
 
@@ -105,14 +111,14 @@ class _Stream:
 
     def row_frames(self) -> int:
         """The most frames its next row may carry (0: no bound): whole frames of audio its listener still has to
-        play, one at least. A row of more holds up every row due before the listener runs out: on a CPU, a cohort
-        of 30 streams started together, each with 16 frames waiting, waited out 30 such rows (7 s) with 1-3 s left
-        to play at 0.1x (issue 43's 3x level). A stream far ahead still takes whole buckets. No bound before the
-        first audio: the decoder's delay holds back the first 2.3 frames, and one row takes them out at once."""
+        play, ROW_FRAMES_FLOOR at least. A row of more holds up every row due before the listener runs out: on a CPU,
+        a cohort of 30 streams started together, each with 16 frames waiting, waited out 30 such rows (7 s) with
+        1-3 s left to play at 0.1x (issue 43's 3x level). A stream far ahead still takes whole buckets. No bound
+        before the first audio: the decoder's delay holds back the first 2.3 frames, and one row takes them out."""
         if not self.playing:
             return 0
         ahead_s = max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
-        return max(1, int(ahead_s * SAMPLE_RATE) // FRAME_SAMPLES)
+        return max(ROW_FRAMES_FLOOR, int(ahead_s * SAMPLE_RATE) // FRAME_SAMPLES)
 
 
 async def _next_request(requests) -> codec_pb2.DecodeRequest | None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from benchmarks.concurrency import parse_args
+from benchmarks.concurrency import parse_args, warm_search
 from benchmarks.concurrency_bench import admission
 from benchmarks.concurrency_bench.load import LevelRun, LoadShape, Request
 from benchmarks.concurrency_bench.metrics import Targets
@@ -248,3 +248,15 @@ def test_admission_flags():
 
 def test_the_fresh_level_is_the_fewest_streams_that_are_90_percent_of_the_pinned_n_max():
     assert [admission.fresh_n(n) for n in (1, 6, 10, 14, 20)] == [1, 6, 9, 13, 18]
+
+
+def test_the_warm_search_starts_where_the_fresh_level_passed():
+    """From the fresh level's N when it passed (then doubling, bisecting): run 28's search from 1 spent 6 of --quick's
+    12 levels reaching 32 and had none left for 17-31 when 32 failed its repeat. From 1 when the fresh level failed."""
+    args = parse_args(["--admission", "--quick", "--max-n", "48"])
+    search = warm_search(args, {"n": 29, "passed": True})
+    verdicts = {29: True, 48: False, 38: False, 33: False, 31: True, 32: False}
+    while (n := search.next_level()) is not None:
+        search.record(n, verdicts[n])
+    assert search.order == [29, 48, 38, 33, 31, 32, 31, 32] and search.n_max == 31 and search.confirmed
+    assert warm_search(args, {"n": 29, "passed": False}).next_level() == 1
