@@ -76,9 +76,10 @@ FIRST_AUDIO_S = 0.3
 LISTENER_BACKOFF = 0.9  # a cut for streams behind takes this much off the streams admitted in its window
 # Past the slow start, the limit grows by one stream only after this much audio time (at the target pace) in which no
 # listener waited at all since the last growth: the streams a growth admitted must show their cost (prompts decoded,
-# their audio at the codec), and a CPU replica delivers each stream's audio in rows of 16 frames (1.37 s), so windows
-# between rows show no waiting though the streams are near the edge (the limit climbed 27 -> 41 in windows that
-# showed none before the first stream fell behind, benchmark run 14; 20 -> 28 in 24 s with a growth every 3 s, run 15).
+# their audio at the codec), and a CPU replica delivers a stream ahead of its listener in rows of up to 16 frames
+# (1.37 s), so windows between rows show no waiting though the streams are near the edge (the limit climbed 27 -> 41
+# in windows that showed none before the first stream fell behind, benchmark run 14; 20 -> 28 in 24 s with a growth
+# every 3 s, run 15).
 LISTENER_QUIET_S = 1.5
 # ... and only while the codec tier delivered the audio it owed, over that same span, at CODEC_ROOM x the target pace
 # or faster: a replica decodes the rows due first, so with room it runs its streams ahead of their listeners and

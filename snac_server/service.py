@@ -100,23 +100,19 @@ class _Stream:
         # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
         # what was sent is the next row's due time; until the first audio, the stream's arrival.
         self.due = time.perf_counter()
-        self.playing = False  # whether any audio went out
 
     def sent(self, samples: int) -> None:
         """`samples` went out now."""
         if samples:
-            self.playing = True
             pace = self.session.settings.listener_pace
             self.due = max(self.due, time.perf_counter()) + samples / SAMPLE_RATE / pace
 
     def row_frames(self) -> int:
-        """The most frames its next row may carry (0: no bound): whole frames of audio its listener still has to
-        play, ROW_FRAMES_FLOOR at least. A row of more holds up every row due before the listener runs out: on a CPU,
-        a cohort of 30 streams started together, each with 16 frames waiting, waited out 30 such rows (7 s) with
-        1-3 s left to play at 0.1x (issue 43's 3x level). A stream far ahead still takes whole buckets. No bound
-        before the first audio: the decoder's delay holds back the first 2.3 frames, and one row takes them out."""
-        if not self.playing:
-            return 0
+        """The most frames its next row may carry: whole frames of audio its listener still has to play, and
+        ROW_FRAMES_FLOOR at least (before the first audio, the floor: 4 frames take out the decoder's delay of 2.3).
+        A row of more holds up every row due before the listener runs out: on a CPU, a cohort of 30 streams started
+        together, each with 16 frames waiting, waited out 30 such rows (7 s) with 1-3 s left to play at 0.1x
+        (issue 43's 3x level). A stream far ahead still takes whole buckets."""
         ahead_s = max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
         return max(ROW_FRAMES_FLOOR, int(ahead_s * SAMPLE_RATE) // FRAME_SAMPLES)
 

@@ -233,7 +233,8 @@ def test_admission_flags():
     args = parse_args(["--admission", "--quick"])
     assert args.megapod_args == "--enforce-eager true"  # megapod up's defaults: two codec replicas, also --quick
     assert args.audio_within_s == pytest.approx(100.0)  # 10 s at the --quick listener's 0.1x
-    assert args.policy == ["streaming"] and args.max_n == 16
+    assert args.policy == ["streaming"] and args.max_n == 16 and args.max_levels == 16  # --quick alone: 12
+    assert parse_args(["--quick"]).max_levels == 12 and parse_args(["--admission"]).max_levels == 40
     assert parse_args(["--admission", "--megapod-args", "--replicas 3", "--audio-within-s", "5"]).megapod_args == \
         "--replicas 3"
     assert parse_args(["--quick"]).megapod_args == "--replicas 1 --enforce-eager true"  # unchanged
