@@ -84,7 +84,7 @@ def recording_of(request: codec_pb2.EncodeRequest, max_s: float) -> np.ndarray:
 
 # The fewest frames a row is bounded to (0.34 s of audio): with one-frame rows, streams already behind paid a gRPC
 # message, a worker chunk and an HTTP chunk per 85 ms of audio, and fell further behind (issue 43, run 29's 3x level:
-# chunks a second up by half, the audio delivered down by a seventh, 21 streams past the buffer mid-level).
+# chunks a second up by over half, the audio delivered down by a seventh, 21 streams past the buffer mid-level).
 ROW_FRAMES_FLOOR = 4
 
 
@@ -100,19 +100,25 @@ class _Stream:
         # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
         # what was sent is the next row's due time; until the first audio, the stream's arrival.
         self.due = time.perf_counter()
+        self.playing = False  # whether any audio went out
 
     def sent(self, samples: int) -> None:
         """`samples` went out now."""
         if samples:
+            self.playing = True
             pace = self.session.settings.listener_pace
             self.due = max(self.due, time.perf_counter()) + samples / SAMPLE_RATE / pace
 
     def row_frames(self) -> int:
-        """The most frames its next row may carry: whole frames of audio its listener still has to play, and
-        ROW_FRAMES_FLOOR at least (before the first audio, the floor: 4 frames take out the decoder's delay of 2.3).
-        A row of more holds up every row due before the listener runs out: on a CPU, a cohort of 30 streams started
-        together, each with 16 frames waiting, waited out 30 such rows (7 s) with 1-3 s left to play at 0.1x
-        (issue 43's 3x level). A stream far ahead still takes whole buckets."""
+        """The most frames its next row may carry (0: no bound): whole frames of audio its listener still has to
+        play, ROW_FRAMES_FLOOR at least. A row of more holds up every row due before the listener runs out: on a CPU
+        (a forward of 16 frames), 29 streams started together, 1-3 s left to play at 0.1x when their rows were made,
+        got those 16-frame rows one at a time from 9.4 to 20.0 s into issue 43's 3x level (benchmark run 28). A stream
+        far ahead still takes whole buckets. No bound before the first audio: run 32 bounded it too, and 7 of the 3x
+        level's first streams ran past the buffer, against none in runs 30-31 without (their first chunks were alike:
+        the noise between runs, perhaps, but not shown to be)."""
+        if not self.playing:
+            return 0
         ahead_s = max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
         return max(ROW_FRAMES_FLOOR, int(ahead_s * SAMPLE_RATE) // FRAME_SAMPLES)
 

@@ -125,28 +125,29 @@ async def test_sixteen_concurrent_streams_complete_in_order(snac_server, stub):
 @pytest.mark.parametrize("pace, largest", [(1e6, 4 * FRAME_SAMPLES), (0.01, 8 * FRAME_SAMPLES)],
                          ids=["listener-caught-up", "listener-far-behind"])
 async def test_a_row_carries_no_more_audio_than_its_listener_has_left(snac_server, stub, pace, largest):
-    """32 frames in one message. A listener at a million times real time has played all that was sent by the next
-    row (1.2 us), and every row carries the floor's 4 frames; one at 0.01x still has all of it to play, and its rows
-    grow with what it has (4, 4, 4, 8, 8: the old rule took the 16 waiting at once). The audio is the same."""
+    """32 frames in one message: the first row takes 16 (no bound before the first audio). Then a listener at a
+    million times real time has played all that was sent by the next row (1.2 us), and rows carry the floor's 4
+    frames; one at 0.01x still has all of the 13.2 frames sent to play (112 s), and rows take the 8-frame bucket (the
+    old rule took the 16 waiting at once). The audio is the same either way."""
     frames = random_frames(32, seed=4)
     stream = await _decode(stub, frames, seed=12, per_message=32, listener_pace=pace)
-    assert max(len(c.pcm) // 4 for c in stream.chunks) == largest
+    assert max(len(c.pcm) // 4 for c in stream.chunks[1:]) == largest
     assert np.abs(stream.audio() - _full(snac_server, frames, 12)).max() <= 1e-4
     _assert_complete_and_in_order(stream, 32)
 
 
 def test_a_streams_rows_are_bounded_by_the_audio_its_listener_has_left(monkeypatch):
-    """Whole frames left to play at the listener's pace, the floor's 4 at least (before the first audio too)."""
+    """No bound before the first audio; then whole frames left to play at the listener's pace, the floor's 4 at least."""
     clock = [100.0]
     monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
     stream = _Stream(SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1)), 0)
-    assert stream.row_frames() == ROW_FRAMES_FLOOR == 4
+    assert stream.row_frames() == 0
     stream.sent(16 * FRAME_SAMPLES)  # 16 frames: 13.65 s to play at 0.1x
     assert stream.row_frames() == 16
     clock[0] += 13.65 * 0.375  # 10 frames left
     assert stream.row_frames() == 10
     clock[0] += 13.65  # ran out: the floor
-    assert stream.row_frames() == 4
+    assert stream.row_frames() == ROW_FRAMES_FLOOR == 4
 
 
 async def test_s16_output_matches_f32(stub):
