@@ -46,7 +46,8 @@ class SnacServerConfig(Settings):
     # beside two busy loops on 2 cores, 2 threads decoded 1.7-2.2x slower than 1 (benchmarks/README.md,
     # "By intra-op threads"); alone, 1.2-1.5x faster. Raise it only where the replica has cores to itself.
     cpu_threads: int = Field(1, ge=1)
-    # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits.
+    # Frames one stream advances in a step: a stream with a backlog catches up in the largest that fits, within
+    # what its listener still has to play (4 frames at least; service._Stream.row_frames).
     # 1 among them: every stream can advance by one frame.
     frame_buckets: CommaList[Annotated[int, Field(ge=1)]] = Field((1, 2, 4, 8, 16), min_length=1,
                                                                 json_schema_extra={"contains": {"const": 1}})

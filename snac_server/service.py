@@ -1,7 +1,8 @@
 """The gRPC Decode service: one bidirectional stream per TTS stream.
 
 Per stream, a reader task feeds the client's frames into the session while the handler decodes:
-it submits the session's next row (every frame that arrived since the last one), awaits its PCM,
+it submits the session's next row (the frames that arrived since the last one, at most what the stream's
+listener still has to play: _Stream.row_frames), awaits its PCM,
 and sends the samples that became final. Bad input aborts only that stream with INVALID_ARGUMENT,
 before anything reaches the model.
 """

@@ -144,7 +144,7 @@ class StreamingSession(_Session):
 
     def next_row(self, max_frames: int = 0) -> StreamStep | None:
         """The frames that arrived since the last row, in the largest bucket that fits them and `max_frames`
-        (0: no bound; a row carries one frame at least), or None."""
+        (0: no bound), or None."""
         if self.in_flight or self.final_sent or self.drained:
             return None
         waiting = len(self._frames)
@@ -152,7 +152,7 @@ class StreamingSession(_Session):
         if available == 0:
             return None
         fits = min(available, max_frames) if max_frames > 0 else available
-        n = max(b for b in self._buckets if b <= max(1, fits))
+        n = max(b for b in self._buckets if b <= fits)
         real = min(n, waiting)
         codes = np.zeros((n, CODES_PER_FRAME), dtype=np.int32)
         codes[:real] = self._frames[:real]

@@ -127,7 +127,7 @@ async def test_sixteen_concurrent_streams_complete_in_order(snac_server, stub):
 async def test_a_row_carries_no_more_audio_than_its_listener_has_left(snac_server, stub, pace, largest):
     """32 frames in one message: the first row takes 16 (no bound before the first audio). Then a listener at a
     million times real time has played all that was sent by the next row (1.2 us), and rows carry the floor's 4
-    frames; one at 0.01x still has all of the 13.2 frames sent to play (112 s), and rows take the 8-frame bucket (the
+    frames; one at 0.01x still has all of the 13.7 frames sent to play (117 s), and rows take the 8-frame bucket (the
     old rule took the 16 waiting at once). The audio is the same either way."""
     frames = random_frames(32, seed=4)
     stream = await _decode(stub, frames, seed=12, per_message=32, listener_pace=pace)
@@ -142,11 +142,11 @@ def test_a_streams_rows_are_bounded_by_the_audio_its_listener_has_left(monkeypat
     monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
     stream = _Stream(SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1)), 0)
     assert stream.row_frames() == 0
-    stream.sent(16 * FRAME_SAMPLES)  # 16 frames: 13.65 s to play at 0.1x
+    stream.sent(16 * FRAME_SAMPLES + FRAME_SAMPLES // 2)  # 16.5 frames: 14.08 s to play at 0.1x
     assert stream.row_frames() == 16
-    clock[0] += 13.65 * 0.375  # 10 frames left
+    clock[0] += 6 * FRAME_SAMPLES / 24000 / 0.1  # 6 frames played: 10.5 left
     assert stream.row_frames() == 10
-    clock[0] += 13.65  # ran out: the floor
+    clock[0] += 20.0  # ran out: the floor
     assert stream.row_frames() == ROW_FRAMES_FLOOR == 4
 
 

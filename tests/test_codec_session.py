@@ -88,7 +88,7 @@ def test_streaming_rows_take_every_waiting_frame_in_the_largest_bucket():
 
 def test_a_row_takes_the_largest_bucket_within_the_bound_it_is_given():
     """The service bounds a row by what its listener still has to play: 11 frames waiting and a bound of 3 make a
-    2-frame row, a bound of 0 none (the 8-frame bucket), and a row carries one frame whatever the bound."""
+    2-frame row, a bound of 0 none (the 8-frame bucket), and a bound of 1 one frame."""
     session = streaming()
     session.add_frames(pack_frames(random_frames(11, seed=0)))
     for bound, frames in ((3, 2), (0, 8), (1, 1)):
