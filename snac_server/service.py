@@ -101,12 +101,10 @@ class _Stream:
         # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
         # what was sent is the next row's due time; until the first audio, the stream's arrival.
         self.due = time.perf_counter()
-        self.playing = False  # whether any audio went out
 
     def sent(self, samples: int) -> None:
         """`samples` went out now."""
         if samples:
-            self.playing = True
             pace = self.session.settings.listener_pace
             self.due = max(self.due, time.perf_counter()) + samples / SAMPLE_RATE / pace
 
@@ -118,7 +116,7 @@ class _Stream:
         far ahead still takes whole buckets. No bound before the first audio: run 32 bounded it too, and 7 of the 3x
         level's first streams ran past the buffer, against none in runs 30-31 without (their first chunks were alike:
         the noise between runs, perhaps, but not shown to be)."""
-        if not self.playing:
+        if not self.session.started:
             return 0
         ahead_s = max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
         return max(ROW_FRAMES_FLOOR, int(ahead_s * SAMPLE_RATE) // FRAME_SAMPLES)

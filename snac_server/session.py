@@ -111,6 +111,11 @@ class _Session:
         raise NotImplementedError
 
     @property
+    def started(self) -> bool:
+        """Whether any of its audio went out."""
+        return self.emitted > self.settings.emit_from_sample
+
+    @property
     def drained(self) -> bool:
         """Ended, nothing in flight, and every sample of the stream already sent (or never owed)."""
         return self.ended and not self.in_flight and self.emitted >= self.received * FRAME_SAMPLES

@@ -140,8 +140,10 @@ def test_a_streams_rows_are_bounded_by_the_audio_its_listener_has_left(monkeypat
     """No bound before the first audio; then whole frames left to play at the listener's pace, the floor's 4 at least."""
     clock = [100.0]
     monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
-    stream = _Stream(SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1)), 0)
+    session = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1), started=False)
+    stream = _Stream(session, 0)
     assert stream.row_frames() == 0
+    session.started = True
     stream.sent(16 * FRAME_SAMPLES + FRAME_SAMPLES // 2)  # 16.5 frames: 14.08 s to play at 0.1x
     assert stream.row_frames() == 16
     clock[0] += 6 * FRAME_SAMPLES / 24000 / 0.1  # 6 frames played: 10.5 left
