@@ -169,8 +169,9 @@ class Runtime:
                     failovers = 0
                 elif self.admission.max_streams != before:  # grown while requests wait, between windows
                     self.metrics.limit_changes.labels(self.admission.limit.reason).inc()
-                    log.info("admission limit %d -> %d streams: %s (slow start, %d requests waiting)", before,
-                             self.admission.max_streams, self.admission.limit.reason, self.admission.queued)
+                    log.info("admission limit %d -> %d streams: %s (%s, %d requests waiting)", before,
+                             self.admission.max_streams, self.admission.limit.reason,
+                             "slow start" if self.admission.limit.slow_start else "careful", self.admission.queued)
             except Exception:
                 log.exception("moving the admission limit failed; it stays at %d", self.admission.max_streams)
 

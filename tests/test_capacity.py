@@ -435,7 +435,7 @@ def test_past_the_way_back_growth_waits_for_a_codec_with_room_too():
     assert limit.limit == 10
     grew = growths_in_use(limit, seconds=60, codec_pace=lambda second: 1.2 if second <= 30 else 2.0)
     held = math.floor(LISTENER_QUIET_S / 0.105) + 1  # the seconds' deliveries a quiet span (14.3 s) holds: 15
-    first_with_room = 30 + math.ceil(held * (CODEC_ROOM - 1.2) / (2.0 - 1.2))  # 6 of them at 2 x make 1.5 x: second 36
+    first_with_room = 30 + math.ceil(held * (CODEC_ROOM - 1.2) / (2.0 - 1.2))  # 10 of them at 2 x make 1.7 x: second 40
     assert grew[:9] == list(range(1, 10)), "back to a stream below the 20 admitted at the cut, the codec not asked"
     assert grew[9] == first_with_room and limit.codec_pace == pytest.approx(2.0), grew
 
@@ -617,10 +617,46 @@ def test_a_cold_limit_with_requests_waiting_doubles_between_windows_up_to_what_t
     limit.update(window_at(n, FAST), n, n)  # the engine far ahead: a window doubles, waiting requests double again
     assert limit.streams == 19 and limit.grow_queued() and limit.grow_queued() and limit.streams == 64
     limit.update(window_at(40, FAST), 40, 40, BEHIND)
-    assert not limit.slow_start and not limit.grow_queued(), "past the slow start: a window at a time"
+    assert not limit.slow_start and not limit.grow_queued(), "a cut holds growth"
     waiting = CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=CPU_TARGET)
     waiting.update(window_at(4, FAST), 4, 4, ListenerWindow(waiting_lag_s=LISTENER_LAG_S))
     assert waiting.limit == 4 and not waiting.grow_queued(), "a listener waiting: no room shown"
+
+
+def test_past_the_slow_start_requests_waiting_take_one_stream_a_window_on_careful_growths_terms():
+    """Issue 43's warm search (run 33): a cut left the limit at 30, levels of 31-48 each failed on a refusal after the
+    queue's 3 s (no window showed room before it), and levels below 30 never used the limit: it could not grow. Past
+    the slow start, requests waiting take one stream at once when careful growth would take it at the window's end:
+    on the way back, or after a quiet span with a codec with room; once a window; not while a cut holds growth, nor
+    past what the last window's pace keeps."""
+    limit = CapacityLimit(initial=20, floor=1, ceiling=64, target_pace=CPU_TARGET)
+    fast = Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0)  # 10 streams at 10 x the target: room
+    limit.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20)  # 0.05 x: cut to 10
+    assert limit.limit == 10 and not limit.slow_start
+    assert not limit.grow_queued(), "the last window had no room"
+    limit.update(fast, 9, 9)  # the limit not in use: the window does not grow it
+    assert limit.limit == 10 and limit.grow_queued() and limit.limit == 11 and limit.reason == GROWTH, "way back: at once"
+    assert not limit.grow_queued(), "once a window"
+    for _ in range(8):  # the way back, a window each, up to 19 (a stream below the 20 admitted at the cut)
+        limit.update(fast, limit.streams, limit.streams)
+    assert limit.limit == 19
+    limit.update(fast, 9, 9)
+    assert not limit.grow_queued(), "past the way back: no quiet span yet"
+    for _ in range(math.ceil(LISTENER_QUIET_S / CPU_TARGET)):  # a quiet span below the limit (not in use: no growth)
+        limit.update(fast, 9, 9)
+    assert limit.limit == 19 and limit.grow_queued() and limit.limit == 20, "a burst meets it after a quiet span"
+    limit.update(fast, 9, 9)
+    assert not limit.grow_queued(), "the next growth waits for a quiet span again"
+    slow_codec = CapacityLimit(initial=20, floor=1, ceiling=64, target_pace=CPU_TARGET)
+    slow_codec.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20)  # cut to 10
+    for second in range(1, 40):  # the way back, then a quiet span, the codec delivering at 1.2 x the target
+        slow_codec.codec_delivered(10 * 1.2 * CPU_TARGET, 10.0, now=float(second))
+        slow_codec.update(fast, slow_codec.streams, slow_codec.streams)
+    assert slow_codec.limit == 10 + 9 and not slow_codec.grow_queued(), "a codec without room: no growth"
+    held = CapacityLimit(initial=20, floor=1, ceiling=64, target_pace=CPU_TARGET)
+    held.update(window_at(20, FAST), 20, 20, BEHIND)  # a stream behind: cut to 18, growth held for HOLD_WINDOWS
+    held.update(fast, 10, 10)
+    assert not held.grow_queued(), "a cut's hold"
 
 
 async def test_past_the_slow_start_a_burst_starts_at_the_limits_worth_per_ramp_in_order():
