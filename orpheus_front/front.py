@@ -355,7 +355,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        at_limit = False
+        at_limit, retry_after = False, "1"  # a refusal's Retry-After: the refusing workers' longest
         timed_out: list[str] = []  # workers whose connect timed out: tried again after the others
         for url, timeout in _attempts(pool.order(requested_voice(request.url.path, body)), timed_out):
             if not pool.acquire(url):
@@ -375,7 +375,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
                 raise
             routed.labels(url, str(upstream.status_code)).inc()
             if upstream.status_code == 429:
-                at_limit = True
+                at_limit, retry_after = True, _longer_retry(retry_after, upstream.headers.get("retry-after"))
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
                 pool.report(url, upstream.headers.get(CAPACITY_FREE),  # after: the refused stream is not held
                             loaded=upstream.headers.get(LOADED_VOICES))
@@ -387,7 +387,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
         if not at_limit:
             return error_response(503, "no worker reachable", code="not_ready", headers={"Retry-After": "1"})
         return error_response(429, "every worker is at its stream limit; retry shortly", code="rate_limit_exceeded",
-                              headers={"Retry-After": "1"})
+                              headers={"Retry-After": retry_after})
 
     async def relay_socket(ws: WebSocket) -> None:
         await _relay_socket(ws, pool, active)
@@ -499,6 +499,14 @@ async def _forward(client: httpx.AsyncClient, pool: WorkerPool, request: Request
         relayed = {k: v for k, v in reply.headers.items() if k.lower() in ("www-authenticate", "x-request-id", "retry-after")}
         return Response(reply.content, reply.status_code, headers=relayed, media_type=reply.headers.get("content-type"))
     return error_response(503, "no worker reachable")
+
+
+def _longer_retry(current: str, offered: str | None) -> str:
+    """The longer of two Retry-After values in whole seconds (a worker's that is not one is left out): the workers'
+    own waits, as long as each one's admission queue holds a request."""
+    if offered is None or not offered.isdigit():
+        return current
+    return offered if int(offered) > int(current) else current
 
 
 async def _discard(refusal: httpx.Response) -> None:

@@ -118,6 +118,26 @@ async def test_the_front_sends_streams_where_capacity_is_free():
 
 
 
+async def test_the_fronts_refusal_asks_for_the_longest_wait_its_workers_asked_for():
+    """Every worker refused: the front's 429 carries the longest Retry-After of theirs (each is its own queue's wait,
+    3 s on a CPU), not a fixed 1 s that brings a refused client back to the same queues sooner; a value that is not
+    whole seconds is left out."""
+    def refusing(retry_after: str) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/audio/speech")
+        async def speech() -> Response:
+            return Response(b'{"error": {"message": "at the limit", "type": "rate_limit", "code": "at_capacity"}}', 429,
+                            {CAPACITY_FREE: "0", "Retry-After": retry_after}, media_type="application/json")
+        return app
+
+    async with serve_app(refusing("3")) as a, serve_app(refusing("5")) as b, serve_app(refusing("soon")) as c:
+        front = create_front_app([f"http://127.0.0.1:{port}" for port in (a, b, c)])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://front") as client:
+            refused = await client.post("/v1/audio/speech", json=body())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+
+
 async def test_refusals_reuse_the_front_s_connection_to_the_worker():
     """A worker's 429 is read to its end, so its connection goes back to the front's pool: twenty refusals
     in a row reach the worker over one connection. (Closed unread, each cost a new connection, and a flood

@@ -111,7 +111,7 @@ async def test_admission_cap_refuses_fast_with_retry_after(stack):
             # the answer is in, so a worker that waited for a slot without a bound would never answer.
             refused = await client.post("/v1/audio/speech", json=body, timeout=60)
             assert refused.status_code == 429
-            assert refused.headers["retry-after"] == "1"
+            assert refused.headers["retry-after"] == "3", "the queue's wait on a CPU: a retry sooner meets the same queue"
             assert refused.json()["error"]["code"] == "rate_limit_exceeded"
         finally:
             for h in held:

@@ -39,7 +39,9 @@ REFUSED = (429, 503)
 GAUGES = {"limit": "megapod_worker_capacity_streams", "admitted": "orpheus_active_streams",
           "decoding": "megapod_worker_decoding_streams", "queued": "megapod_worker_queued_streams",
           "codec_owed_audio_s": "orpheus_codec_owed_audio_seconds_total",  # counters: their differences over time
-          "codec_owed_wait_s": "orpheus_codec_owed_wait_seconds_total"}
+          "codec_owed_wait_s": "orpheus_codec_owed_wait_seconds_total",
+          # frames the engine generated and audio the codec tier gave back: which of the two held a level's opening
+          "frames": "orpheus_frames_total", "audio_s": "orpheus_audio_seconds_total"}
 FAILOVERS = "orpheus_codec_failovers_total"  # codec streams failed over to another replica: stalled, refused, gone
 # Audio the codec tier delivered while streams waited on it, and their waits, summed over the workers: over a level,
 # the pace it delivered owed audio at (x real time; the limit grows past its slow start only while the worker's own
