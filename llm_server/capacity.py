@@ -234,9 +234,13 @@ class Listeners:
         self._admitted += 1
         self._streams[stream] = _Listening(self._admitted)
 
-    def remove(self, stream: Heard, now: float) -> None:
+    def remove(self, stream: Heard, now: float, looked_at: bool = True) -> None:
+        """A stream ended: looked at once more, unless `looked_at` is False (its client left or cancelled it: a barge-in,
+        a benchmark's failed level ending its streams together; what it showed up to the last window stands). Looked at
+        as they went, a failed level's streams, each still waiting when its client left, cut the limit 32 -> 16 with
+        one stream left admitted, and the way back started from that one (issue 43, run 35)."""
         listening = self._streams.pop(stream, None)
-        if listening is not None:
+        if listening is not None and looked_at:
             self._look(self._ended, listening, stream.listener_lag_s(now))
 
     def cut(self) -> None:

@@ -99,6 +99,12 @@ def test_listeners_count_a_stream_behind_once_and_one_that_ends_in_the_window_to
     listeners.remove(b, 5.0)  # it fell behind as it ended: still this window's
     heard = listeners.take(5.0)
     assert (heard.behind, heard.behind_since_cut) == (2, 1), "b was admitted before the cut, d after"
+    e = Lagging()
+    listeners.add(e)
+    assert listeners.take(6.0).settled
+    e.lag_s = LISTENER_LAG_S + 0.1
+    listeners.remove(e, 7.0, looked_at=False)  # its client left (a barge-in, a failed level's end): not judged as it went
+    assert listeners.take(7.0).settled and len(listeners) == 3, "gone, and its lag not judged: a, c and d left"
     assert len(listeners) == 3 and listeners.take(6.0).settled
 
 
