@@ -93,9 +93,12 @@ class LocalStack:
 
     def start(self) -> None:
         env = {**self.env, "MEGAPOD_LOG_DIR": str(self.log_dir / self.name), "PYTHONUNBUFFERED": "1"}
-        # A session of its own: the stack's CPU is scheduled apart from this client's (Linux's autogroup).
+        # In this client's session, not one of its own: Linux's autogroup schedules each session as one unit, and a
+        # client in a session apart from a busy stack got no CPU for seconds at a time (its event loop woke a 50 ms
+        # timer up to 6 s late, p99 0.5-2.4 s, in every level of issue 43's runs 33-35; a bare probe process beside
+        # the stack, 3.0 s), so chunks were timed late and levels failed on stalls of the client's own making.
         self.child = Child(f"megapod up ({self.name})", self.argv, self.log_dir / f"{self.name}-megapod-up.log",
-                           f"{self.url}/ready", env, cwd=REPO_ROOT, own_session=True).start()
+                           f"{self.url}/ready", env, cwd=REPO_ROOT).start()
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
         """Until the front answers /ready (served once every process is ready); returns the start-up seconds."""
