@@ -90,7 +90,8 @@ LISTENER_QUIET_S = 1.5
 # streams of the last cut still ended (runs 6-8). GPU or CPU alike: a ratio of the target. 1.7, not 1.5: over the 2x
 # overload levels of runs 29-33 (demand always past the capacity) the codec delivered at 1.51-1.60x, and careful growth
 # on at 1.58x ran 22 streams dry (run 33); the pinned levels that passed at the edge (32-34 streams) had 1.61-1.69x,
-# those well within it 1.8-2.2x.
+# those well within it 1.8-2.2x (all measured by a benchmark client then starved of CPU: benchmarks/README.md,
+# runs 34-37).
 CODEC_ROOM = 1.7
 
 
@@ -234,13 +235,13 @@ class Listeners:
         self._admitted += 1
         self._streams[stream] = _Listening(self._admitted)
 
-    def remove(self, stream: Heard, now: float, looked_at: bool = True) -> None:
-        """A stream ended: looked at once more, unless `looked_at` is False (its client left or cancelled it: a barge-in,
+    def remove(self, stream: Heard, now: float, judged: bool = True) -> None:
+        """A stream ended: looked at once more, unless not `judged` (its client left or cancelled it: a barge-in,
         a benchmark's failed level ending its streams together; what it showed up to the last window stands). Looked at
         as they went, a failed level's streams, each still waiting when its client left, cut the limit 32 -> 16 with
         one stream left admitted, and the way back started from that one (issue 43, run 35)."""
         listening = self._streams.pop(stream, None)
-        if listening is not None and looked_at:
+        if listening is not None and judged:
             self._look(self._ended, listening, stream.listener_lag_s(now))
 
     def cut(self) -> None:

@@ -103,7 +103,7 @@ def test_listeners_count_a_stream_behind_once_and_one_that_ends_in_the_window_to
     listeners.add(e)
     assert listeners.take(6.0).settled
     e.lag_s = LISTENER_LAG_S + 0.1
-    listeners.remove(e, 7.0, looked_at=False)  # its client left (a barge-in, a failed level's end): not judged as it went
+    listeners.remove(e, 7.0, judged=False)  # its client left (a barge-in, a failed level's end)
     assert listeners.take(7.0).settled and len(listeners) == 3, "gone, and its lag not judged: a, c and d left"
     assert len(listeners) == 3 and listeners.take(6.0).settled
 
@@ -641,7 +641,8 @@ def test_past_the_slow_start_requests_waiting_take_one_stream_a_window_on_carefu
     assert limit.limit == 10 and not limit.slow_start
     assert not limit.grow_queued(), "the last window had no room"
     limit.update(fast, 9, 9)  # the limit not in use: the window does not grow it
-    assert limit.limit == 10 and limit.grow_queued() and limit.limit == 11 and limit.reason == GROWTH, "way back: at once"
+    assert limit.limit == 10 and limit.grow_queued(), "on the way back: at once"
+    assert limit.limit == 11 and limit.reason == GROWTH
     assert not limit.grow_queued(), "once a window"
     for _ in range(8):  # the way back, a window each, up to 19 (a stream below the 20 admitted at the cut)
         limit.update(fast, limit.streams, limit.streams)

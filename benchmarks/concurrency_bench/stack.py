@@ -95,8 +95,8 @@ class LocalStack:
         env = {**self.env, "MEGAPOD_LOG_DIR": str(self.log_dir / self.name), "PYTHONUNBUFFERED": "1"}
         # In this client's session, not one of its own: Linux's autogroup schedules each session as one unit, and a
         # client in a session apart from a busy stack got no CPU for seconds at a time (its event loop woke a 50 ms
-        # timer up to 6 s late, p99 0.5-2.4 s, in every level of issue 43's runs 33-35; a bare probe process beside
-        # the stack, 3.0 s), so chunks were timed late and levels failed on stalls of the client's own making.
+        # timer 1-6 s late in 60 of the 92 levels of issue 43's runs 33-35, none of runs 37-38's 57; a bare probe
+        # process beside the stack, 3.0 s), so chunks were timed late and levels failed on stalls of its own making.
         self.child = Child(f"megapod up ({self.name})", self.argv, self.log_dir / f"{self.name}-megapod-up.log",
                            f"{self.url}/ready", env, cwd=REPO_ROOT).start()
 

@@ -105,8 +105,8 @@ def admission_wait(request: Request) -> float:
 
 
 def refused_error(exc: Refused, queue_s: float) -> ApiError:
-    """A 429 whose Retry-After is the worker's queue wait `queue_s` (whole seconds, 1 at least): a retry sooner meets the
-    same queue. On a CPU's slow motion that is 3 s, not 1: at 1 s the 3x overload's refused clients asked 26 times a
+    """A 429 whose Retry-After is the worker's queue wait `queue_s` (whole seconds, 1 at least): a retry sooner meets
+    the same queue. On a CPU's slow motion that is 3 s, not 1: at 1 s the 3x overload's refused clients asked 29 times a
     second, and the clients' and the front's share of the two cores went 0.15 -> 0.34 from 2x to 3x while the codec
     replicas' went 1.22 -> 1.04 (issue 43, run 34)."""
     return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(queue_s)))})

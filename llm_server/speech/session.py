@@ -295,7 +295,7 @@ class SpeechSession:
         if outcome is not None:
             self.outcome = outcome
         await self._stream.close()
-        self._runtime.admission.listeners.remove(self, time.monotonic(), looked_at=not self._cancelled)
+        self._runtime.admission.listeners.remove(self, time.monotonic(), judged=not self._cancelled)
         self._runtime.admission.release(self.key.name if self.key else None)
         self._metrics.active_streams.dec()
         self._metrics.requests.labels(self.outcome).inc()
