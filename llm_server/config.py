@@ -142,6 +142,9 @@ class LlmServerConfig(TlsSettings):
     max_cudagraph_capture_size: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kv_cache_gb: float = 2.0
+    # The niceness added to the thread that runs the model, where the codec replicas share its cores (`megapod up`
+    # on a machine with no GPU sets it): the codec's work is audio owed now, the engine's frames ahead of it.
+    engine_nice: int = Field(0, ge=0, le=19)
     enable_prefix_caching: bool = True
     # Logits for the ids speech can use only (engine/audio_head.py): the head's audio rows, not Llama's whole
     # 156,940-id head; the same tokens. false: vLLM's own Llama head.

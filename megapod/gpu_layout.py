@@ -39,6 +39,11 @@ class GpuLayout:
     workers: tuple[int, ...] = ()
     codec: int | None = None
 
+    @property
+    def on_cpu(self) -> bool:
+        """Both tiers on the CPU, sharing its cores."""
+        return not self.workers and self.codec is None
+
     def worker_env(self, i: int) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": str(self.workers[i])} if self.workers else {}
 

@@ -244,7 +244,7 @@ class Launcher:
         self._watchers: set[asyncio.Task] = set()
         self._deaths: dict[str, _Deaths] = {}  # by child name
         self.workers = [
-            Child(f"llm-{i}", [python, "-m", "llm_server", *config.worker_flags(i)], log_dir / f"llm-{i}.log",
+            Child(f"llm-{i}", [python, "-m", "llm_server", *config.worker_flags(i, layout.on_cpu)], log_dir / f"llm-{i}.log",
                   f"http://{config.host}:{port}/ready", layout.worker_env(i))
             for i, port in enumerate(config.worker_ports())
         ]

@@ -82,6 +82,10 @@ class MegaPodConfig(TlsSettings):
     # leaves the Services' endpoints and DNS. On one machine nothing routes by endpoints: 0.
     endpoint_delay_s: Annotated[float, Sets(chart=("drain.endpointDelayS",))] = Field(0.0, ge=0)
     restart_dead: bool = True  # the launcher restarts a process that dies
+    # With no GPU, the niceness each worker's engine runs at (llm_server's engine_nice) beside the codec replicas on
+    # the same cores: frames the engine generates ahead of the codec took the cores the codec needed for the audio
+    # owed now (issue 43: in an overload level's opening, 8-10 s of audio generated a second, 1.4-2.0 decoded).
+    cpu_engine_nice: int = Field(5, ge=0, le=19)
     # The voices directory every worker reads (LoRA adapters, clones made through POST /v1/voices): one for all,
     # so a voice made through one worker is every worker's. The chart's is a volume of its own.
     voices_dir: Annotated[str, Sets(llm="voices_dir", chart=())] = os.path.join(
@@ -147,7 +151,8 @@ class MegaPodConfig(TlsSettings):
         return as_flags({"host": self.host, "port": self.snac_ports()[j], "metrics_port": self.snac_metrics_base_port + j,
                          **self.tier_settings("snac")})
 
-    def worker_flags(self, i: int) -> list[str]:
-        """llm-server flags of worker i."""
+    def worker_flags(self, i: int, on_cpu: bool = False) -> list[str]:
+        """llm-server flags of worker i (`on_cpu`: both tiers share this machine's cores)."""
+        nice = {"engine_nice": self.cpu_engine_nice} if on_cpu and self.cpu_engine_nice else {}
         return as_flags({"host": self.host, "port": self.worker_ports()[i], "snac": self.snac_addresses(),
-                         **self.tier_settings("llm")})
+                         **self.tier_settings("llm"), **nice})

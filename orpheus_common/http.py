@@ -19,6 +19,9 @@ CAPACITY_FREE = "x-capacity-free"
 # own (0: refuse at once). The front sends 0 to every worker after the first one that answers, so a request waits
 # once, not once a worker.
 ADMISSION_WAIT = "x-admission-wait-s"
+# On a request: how many times the client has retried it (the openai SDK's header, and every Stainless-generated
+# SDK's); a worker's admission queue hands a slot first to the request refused most often before.
+RETRY_COUNT = "x-stainless-retry-count"
 # On every worker response where it has LoRA voices: those whose adapters its engine holds (most recent last),
 # which the front prefers for their requests when capacities are equal.
 LOADED_VOICES = "x-loaded-voices"

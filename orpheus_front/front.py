@@ -46,6 +46,7 @@ from orpheus_common.http import (
     ADMISSION_WAIT,
     CAPACITY_FREE,
     LOADED_VOICES,
+    RETRY_COUNT,
     TRY_AGAIN_LATER,
     error_response,
     voices_of_header,
@@ -64,8 +65,9 @@ VOICE_UPLOAD_BYTES = (16 << 20) + (64 << 10)
 VOICE_TIMEOUT_S = 120.0
 # Reply headers a worker sends that stop here: hop-by-hop ones, and its free capacity (the front's to read).
 _NOT_RELAYED = {"content-length", "transfer-encoding", "connection", "keep-alive", CAPACITY_FREE}
-# Request headers the workers act on: the API key (each protocol's way), and the id their log lines carry.
-_PASSED_HEADERS = ("authorization", "x-api-key", "xi-api-key", "x-request-id")
+# Request headers the workers act on: the API key (each protocol's way), the id their log lines carry, and the
+# client's count of its retries (their admission queues' order).
+_PASSED_HEADERS = ("authorization", "x-api-key", "xi-api-key", "x-request-id", RETRY_COUNT)
 POOL_WAIT_S = 10.0  # a stream past max_streams waits this long for a connection, then gets a 503
 # A worker that vanished without closing (node lost) drops packets: a short connect timeout moves a new
 # stream on to the next worker soon. But a connect also times out when this process gets no CPU for

@@ -328,6 +328,32 @@ async def test_a_slot_that_frees_goes_to_the_longest_waiting_not_to_whoever_asks
     assert await second is None and admission.queued == 0 and admission.active == 2
 
 
+async def test_a_slot_goes_first_to_the_request_refused_most_often_then_in_order_of_arrival():
+    """Issue 43's 2x level (run 37): in arrival order alone each refusal started a client's wait over, and 16 % of
+    the clients got no audio in time. The client's retry count (the openai SDK's header) orders the queue."""
+    admission = _admission(1)
+    assert admission.admit() is None
+    fresh = asyncio.create_task(admission.enter(wait_s=30))
+    twice = asyncio.create_task(admission.enter(wait_s=30, retries=2))
+    leaving = asyncio.create_task(admission.enter(wait_s=30, retries=5))
+    once_early = asyncio.create_task(admission.enter(wait_s=30, retries=1))
+    once_late = asyncio.create_task(admission.enter(wait_s=30, retries=1))
+    await asyncio.sleep(0)
+    leaving.cancel()  # the most refused client goes away while it waits: it takes no slot and blocks no one
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert admission.queued == 4
+    order = []
+    for _ in range(4):
+        admission.release()
+        done, _ = await asyncio.wait({fresh, twice, once_early, once_late} - set(order),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1 and admission.active == 1
+        order.append(done.pop())
+    assert order == [twice, once_early, once_late, fresh]
+    assert all(task.result() is None for task in order) and admission.queued == 0
+
+
 async def test_a_wait_past_its_deadline_is_refused_holding_nothing():
     admission = _admission(1)
     assert admission.admit("k", key_limit=2) is None

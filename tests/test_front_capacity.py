@@ -15,13 +15,14 @@ import logging
 import math
 
 import httpx
+import openai
 import pytest
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from served import ScriptedEngineDouble, body, serve_app, serving
 from websockets.asyncio.client import connect
 
-from orpheus_common.http import ADMISSION_WAIT, CAPACITY_FREE
+from orpheus_common.http import ADMISSION_WAIT, CAPACITY_FREE, RETRY_COUNT
 from orpheus_front import front as front_module
 from orpheus_front.front import WorkerPool, create_front_app, requested_voice
 
@@ -310,6 +311,26 @@ async def test_a_request_past_the_limit_waits_for_the_slot_that_frees_instead_of
         assert registry.get_sample_value("megapod_worker_refusals_total", {"cause": "capacity"}) == 1
 
 
+async def test_a_request_the_client_says_it_retried_gets_the_slot_before_one_that_came_first(snac_server):
+    """Issue 43, fairness at 2x: a client's retry count (RETRY_COUNT, as the openai SDK sends it) puts its request
+    ahead of fresh ones in the worker's queue; a count that is not one is no count."""
+    engine = ScriptedEngineDouble(frames=40, frames_per_batch=1, batch_delay_s=0.05)  # 2 s streams
+    async with serving(snac_server, engine, max_streams=2, admission_queue_s=30.0) as served, \
+            httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        admission = served.runtime.admission
+        asked = [asyncio.create_task(http.post("/v1/audio/speech", json=body("Holding."))) for _ in range(2)]
+        await _until(lambda: admission.active == 2)
+        asked.append(asyncio.create_task(http.post("/v1/audio/speech", json=body("Fresh."), headers={RETRY_COUNT: "-3"})))
+        await _until(lambda: admission.queued == 1)
+        asked.append(asyncio.create_task(http.post("/v1/audio/speech", json=body("Retried."), headers={RETRY_COUNT: "2"})))
+        await _until(lambda: admission.queued == 2)
+        replies = await asyncio.gather(*asked)
+        assert [r.status_code for r in replies] == [200] * 4 and admission.active == admission.queued == 0
+    said = ["".join(chr(i - 1000) for i in prompt if 1000 <= i < 2000) for prompt in engine.prompts.values()]
+    assert ["Holding" in p for p in said] == [True, True, False, False]
+    assert "Retried" in said[2] and "Fresh" in said[3], "started in this order: the retried request first"
+
+
 async def test_a_client_that_leaves_while_it_waits_for_a_slot_leaves_the_queue_and_is_never_handed_one(snac_server):
     """Issue 43: a request waiting in the admission queue whose client goes away leaves the queue then, so the slot
     that frees goes to the next waiting (or stays free), not to a stream nobody will hear (an engine request and a
@@ -329,6 +350,27 @@ async def test_a_client_that_leaves_while_it_waits_for_a_slot_leaves_the_queue_a
         await _until(lambda: admission.active == 0)
         await asyncio.sleep(0.3)
         assert admission.active == 0 and len(engine.prompts) == 1, "nobody's stream was started"
+
+
+async def test_the_front_passes_the_openai_sdks_retry_count_to_every_worker_it_asks():
+    """The openai SDK counts its retries of a refused request in RETRY_COUNT; the front passes it on, so a worker's
+    queue can put the request ahead of fresh ones."""
+    counts: list[str | None] = []
+    app = FastAPI()
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        counts.append(request.headers.get(RETRY_COUNT))
+        return Response(b"{}", 429, {CAPACITY_FREE: "0", "retry-after": "1"}, media_type="application/json")
+
+    async with serve_app(app) as one, serve_app(app) as two:
+        front = create_front_app([f"http://127.0.0.1:{port}" for port in (one, two)])
+        http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=front))
+        client = openai.AsyncOpenAI(base_url="http://front/v1", api_key="unused", max_retries=1, http_client=http_client)
+        with pytest.raises(openai.RateLimitError):
+            await client.audio.speech.create(model="tts-1", voice="tara", input="Hello.", response_format="pcm")
+        await http_client.aclose()
+    assert counts == ["0", "0", "1", "1"]
 
 
 async def test_the_front_lets_only_its_first_choice_of_worker_queue_a_request():

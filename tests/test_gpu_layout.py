@@ -59,6 +59,21 @@ def test_a_cpu_megapod_pins_nothing(tmp_path: Path):
     assert _visible(launcher.children) == [None] * 4
 
 
+def _engine_nice(child) -> str | None:
+    return child.argv[child.argv.index("--engine-nice") + 1] if "--engine-nice" in child.argv else None
+
+
+def test_with_no_gpu_the_workers_engines_run_below_the_codec_replicas_on_the_shared_cores(tmp_path: Path):
+    """Issue 43: on a CPU the engine generated frames ahead on the cores the codec needed for the audio owed now."""
+    on_cpu = Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=0)
+    assert [_engine_nice(w) for w in on_cpu.workers] == ["5", "5"]
+    assert all("--engine-nice" not in r.argv for r in on_cpu.replicas)
+    assert _engine_nice(Launcher(MegaPodConfig(cpu_engine_nice=0), tmp_path, gpu_count=0).workers[0]) is None
+    codec_on_gpu = Launcher(MegaPodConfig(llm_device="cpu"), tmp_path, gpu_count=1)
+    assert _engine_nice(codec_on_gpu.workers[0]) is None, "only where both tiers share the cores"
+    assert _engine_nice(Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=3).workers[0]) is None
+
+
 def test_workers_on_gpus_with_the_codec_on_cpu():
     layout = plan_gpus(MegaPodConfig(workers=2, snac_device="cpu"), gpu_count=2)
     assert (layout.workers, layout.codec) == ((0, 1), None)

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import metrics
-from .load import LevelRun, LoadShape
+from .load import REFUSED, LevelRun, LoadShape
 from .metrics import Targets
 from .report import pct, ratio
 
@@ -34,7 +34,6 @@ AUDIO_JUDGED_AT = 2  # the overload whose clients must get audio in time
 NMAX_RATIO_MIN = 0.9  # unconfigured N_max over pinned N_max, fresh and warm
 AUDIO_SHARE_MIN = 0.9
 AUDIO_WITHIN_S = 10.0  # at pace 1; divided by the pace (the listener's slow motion)
-REFUSED = (429, 503)
 # What the plot shows, by the worker gauge it reads (summed over the workers); absent on an older worker: None.
 GAUGES = {"limit": "megapod_worker_capacity_streams", "admitted": "orpheus_active_streams",
           "decoding": "megapod_worker_decoding_streams", "queued": "megapod_worker_queued_streams",

@@ -1,7 +1,8 @@
 """The load: N closed-loop streams (or Poisson arrivals) on /v1/audio/speech, every chunk timed.
 
 Closed loop: stream i starts at i * stagger / N, sends a request, reads it to its end, sends the
-next. Requests sent before the warm-up is over are not counted. The measuring window then stays
+next; after a refusal, once the Retry-After passed, with its count of refusals in a row as the openai SDK
+counts its retries (RETRY_COUNT). Requests sent before the warm-up is over are not counted. The measuring window then stays
 open for `window_s`, and at least until every stream has sent a counted request; the requests sent
 inside it are the level's sample. The streams keep the load on (their later requests are not
 counted) until every counted request has ended, then everything still open is cancelled.
@@ -24,9 +25,13 @@ from typing import Any
 
 import httpx
 
+from orpheus_common.http import RETRY_COUNT
+
 from . import metrics
 from .corpus import Corpus
 from .metrics import Chunk, Counts, Targets, Timeline
+
+REFUSED = (429, 503)  # statuses of a request the server refused (at its limit; no worker reachable)
 
 WAV_HEADER_BYTES = 44
 
@@ -169,6 +174,7 @@ class Level:
         self.t0 = self.t_open = 0.0
         self.closed_at: float | None = None
         self.retry_after: dict[int, float] = {}
+        self.refusals: dict[int, int] = {}  # by stream: its refusals since it was last admitted
 
     async def run_level(self) -> LevelRun:
         self.t0 = time.perf_counter() + 0.05
@@ -212,8 +218,12 @@ class Level:
         seq = 0
         while not self.stop.is_set():
             req, text = self._new_request(stream, seq)
-            await self._send(client, req, text)
+            await self._send(client, req, text, self.refusals.get(stream, 0))
             seq += 1
+            if req.status in REFUSED:
+                self.refusals[stream] = self.refusals.get(stream, 0) + 1
+            elif req.status is not None:
+                self.refusals.pop(stream, None)
             if not req.completed and not self.stop.is_set():  # refused or failed: do not hammer
                 await asyncio.sleep(self.retry_after.pop(stream, self.shape.retry_s))
 
@@ -243,15 +253,17 @@ class Level:
             self.streams_counted.add(stream)
         return req, utterance.text
 
-    async def _send(self, client: httpx.AsyncClient, req: Request, text: str) -> None:
-        """POST one utterance and time every chunk of audio until the response ends."""
+    async def _send(self, client: httpx.AsyncClient, req: Request, text: str, retries: int = 0) -> None:
+        """POST one utterance and time every chunk of audio until the response ends; `retries`: the client's
+        refusals since it was last admitted, sent as the openai SDK counts its retries (RETRY_COUNT)."""
         ep = self.endpoint
         body = ep.body(text, self.shape.seed + req.stream * 1000 + req.seq)
         skip = WAV_HEADER_BYTES if ep.response_format == "wav" else 0
         threshold = self.shape.audible_threshold
         req.sent_s = time.perf_counter()
         try:
-            async with client.stream("POST", f"{ep.url}/v1/audio/speech", json=body, headers=ep.headers) as reply:
+            async with client.stream("POST", f"{ep.url}/v1/audio/speech", json=body,
+                                     headers={**ep.headers, RETRY_COUNT: str(retries)}) as reply:
                 req.status = reply.status_code
                 if reply.status_code != 200:
                     detail = (await reply.aread())[:200].decode(errors="replace")

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from orpheus_common import connections
-from orpheus_common.http import ADMISSION_WAIT
+from orpheus_common.http import ADMISSION_WAIT, RETRY_COUNT
 
 from ..config import LlmServerConfig
 from ..edge.errors import ApiError
@@ -58,7 +58,7 @@ async def open_session(request: Request, spec: SpeechSpec, name: str) -> SpeechS
     nobody). The session id names engine and codec requests: unique even if clients reuse X-Request-Id."""
     request_id, wait_s = f"{name}-{uuid.uuid4().hex[:16]}", admission_wait(request)
     opening = SpeechSession.open(request.app.state.runtime, spec, getattr(request.state, "api_key", None), request_id,
-                                 wait_s)
+                                 wait_s, retries_of(request))
     if wait_s > 0:  # a task of its own only where it may wait: raced against the client leaving
         opening = asyncio.ensure_future(opening)
         gone = asyncio.ensure_future(_disconnected(request))  # the body is read: what comes next is the disconnect
@@ -102,6 +102,13 @@ def admission_wait(request: Request) -> float:
         return min(wait_s, max(0.0, float(request.headers.get(ADMISSION_WAIT, wait_s))))
     except ValueError:  # not a number: the worker's own
         return wait_s
+
+
+def retries_of(request: Request) -> int:
+    """How many times the client says it retried this request (RETRY_COUNT; 0 if it says nothing, or nothing that
+    is a count): a hint that orders the admission queue, so a malformed one is ignored, not refused."""
+    value = request.headers.get(RETRY_COUNT, "")
+    return int(value) if value.isdigit() and value.isascii() else 0
 
 
 def refused_error(exc: Refused, queue_s: float) -> ApiError:

@@ -1,23 +1,32 @@
-"""What the engine actually runs, asked of vLLM's own workers.
+"""What the engine actually runs, asked of vLLM's own workers, and their CPU priority set there.
 
 The attention backend and kernels are chosen in the worker processes, after the front end built
 its config (which keeps `None` for an auto-selected backend), and vLLM reports them only in worker
 log lines. This class is mixed into vLLM's worker (engine argument `worker_extension_cls`), so
-`AsyncLLM.collective_rpc("megapod_attention")` returns the worker's own answer.
+`AsyncLLM.collective_rpc("megapod_attention")` returns the worker's own answer, and
+`collective_rpc("megapod_nice", args=(n,))` runs in the thread that runs the model.
 """
 
 from __future__ import annotations
 
+import os
+
 from . import cpu_lora
 
-WORKER_EXTENSION = f"{__name__}.AttentionProbe"
+WORKER_EXTENSION = f"{__name__}.WorkerProbe"
 # vLLM imports this module in the engine's process to build its worker: the one place our code runs there.
 cpu_lora.apply()
 
 
-class AttentionProbe:
+class WorkerProbe:
     """Worker extension: the attention backends and FlashInfer decode kernel the model runner built, and the
-    logits head its model computes."""
+    logits head its model computes; the model's thread's niceness."""
+
+    def megapod_nice(self, increment: int) -> int:
+        """Add `increment` to the niceness of this thread, the one that runs the model (Linux: niceness is a thread's;
+        the threads it starts later inherit it); returns the new one. On a CPU the model's intra-op work runs here
+        (one intra-op thread: vllm.py's _cpu_environment)."""
+        return os.nice(increment)
 
     def megapod_attention(self) -> dict[str, object]:
         groups = [g for per_cache in getattr(self.model_runner, "attn_groups", []) for g in per_cache]

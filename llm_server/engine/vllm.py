@@ -160,6 +160,9 @@ class VllmEngine:
         runner = "V2" if vllm_config.use_v2_model_runner else "V1"
         self.attention = {"runner": runner, **(await self._engine.collective_rpc("megapod_attention"))[0]}
         log.info("vLLM engine up (%s runner); attention %s", runner, self.attention)
+        if self._config.engine_nice:
+            nice = await self._engine.collective_rpc("megapod_nice", args=(self._config.engine_nice,))
+            log.info("the engine's model thread runs at niceness %s, below the codec replicas beside it", nice[0])
 
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams

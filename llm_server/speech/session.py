@@ -131,10 +131,12 @@ class SpeechSession:
 
     @classmethod
     async def open(cls, runtime, spec: SpeechSpec, key: ApiKey | None, request_id: str,
-                   wait_s: float = 0.0) -> SpeechSession:
+                   wait_s: float = 0.0, retries: int = 0) -> SpeechSession:
         """Admit a new stream (a worker-wide slot and one of the key's), waiting in the admission queue for a slot
-        up to `wait_s` (an HTTP request; a socket's reading loop does not wait), or raise Refused."""
-        refused = await runtime.admission.enter(key.name if key else None, key.max_streams if key else 0, wait_s)
+        up to `wait_s` (an HTTP request; a socket's reading loop does not wait; `retries`: the client's count of its
+        retries, AdmissionController.enter), or raise Refused."""
+        refused = await runtime.admission.enter(key.name if key else None, key.max_streams if key else 0, wait_s,
+                                                retries)
         if refused is not None:
             runtime.metrics.refused(refused)
             by_key = refused == KEY
