@@ -198,6 +198,29 @@ def test_codec_failovers_shrink_the_limit_once_a_window_and_hold_it_a_while():
     assert limit.limit > 90
 
 
+def _at_pace(streams: int, pace: float) -> Window:
+    """`streams` decoding for a second at `pace` x real time."""
+    return Window.stepping(streams, 1000.0 / (REALTIME_TOKENS_PER_S * pace), seconds=1.0)
+
+
+def test_a_window_slow_by_itself_cuts_nothing_while_the_span_before_it_kept_the_target():
+    """Issue 43, run 39: a CPU engine yielding the cores to the codec replicas got them in bursts, and windows of
+    1 s read 0.10 where it kept 0.12 over the level; every such dip cut the limit. Judged with the windows before it
+    (PACE_SPAN_TOKENS), a dip cuts nothing; a pace that stays below the target cuts within a few windows, to the
+    milder of the window's and the span's."""
+    limit = CapacityLimit(initial=36, floor=1, ceiling=64, target_pace=0.105)
+    for _ in range(5):
+        limit.update(_at_pace(36, 0.12), peak_admitted=30, admitted=30)
+    limit.update(_at_pace(36, 0.095), peak_admitted=30, admitted=30)
+    assert limit.reason is None and limit.limit == 36, "one dip, in a span that kept 0.117"
+    cuts = []
+    for _ in range(4):
+        limit.update(_at_pace(36, 0.09), peak_admitted=30, admitted=30)
+        cuts.append(limit.limit)
+    assert cuts[0] == 36 and cuts[-1] < 36 and limit.reason == SLOW, cuts
+    assert 36 * 0.09 / 0.105 < cuts[-1], "by the span's pace, milder than the window's"
+
+
 def test_every_move_of_the_limit_says_why_and_the_deeper_cut_names_it():
     fast, slow = step_ms_curve(1.0, 0.0), step_ms_curve(100.0, 10.0)
     limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)

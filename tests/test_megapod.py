@@ -197,6 +197,20 @@ def test_children_share_the_launchers_session_in_groups_of_their_own(megapod):
         assert os.getpgid(pid) == pid != os.getpgid(megapod["proc"].pid)
 
 
+def test_with_no_gpu_each_engines_model_thread_runs_below_the_codec_replicas(megapod):
+    """Issue 43: the engine's model thread (its EngineCore process's main thread) at --cpu-engine-nice 5; the
+    workers' HTTP loops and the codec replicas, which deliver the audio owed now, at the launcher's own."""
+    import psutil
+
+    launcher = psutil.Process(megapod["proc"].pid)
+    descendants = launcher.children(recursive=True)
+    engines = [p for p in descendants if "EngineCore" in " ".join(p.cmdline())]
+    servers = [p for p in descendants if {"llm_server", "snac_server"} & set(p.cmdline())]
+    assert len(engines) == 2 and len(servers) == 4, (engines, servers)
+    assert [p.nice() for p in engines] == [launcher.nice() + 5] * 2
+    assert [p.nice() for p in servers] == [launcher.nice()] * 4
+
+
 @pytest.mark.stops_the_megapod
 def test_ctrl_c_drains_a_stream_in_flight_then_stops_everything_without_a_kill(megapod):
     """Ctrl-C drains: the front first, then the workers (their streams need the codec tier), then the replicas,
