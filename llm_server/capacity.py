@@ -14,7 +14,7 @@ window it moves the limit by the ratio of the measured pace to the target pace,
     limit <- streams decoding x pace / target
 
 growing only while the limit is in use (the admitted streams reached it), shrinking to at most half; a
-window's pace below the target cuts only if the last few windows' is too (PACE_SPAN_TOKENS).
+window's pace below the target cuts only if the last few windows' is too (PACE_SPAN_S).
 Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
 cold start the capacity is a few windows away) until the limit is first cut, then one stream at a time,
 each once the streams the last growth admitted have shown their cost (LISTENER_QUIET_S, below).
@@ -62,12 +62,13 @@ HOLD_WINDOWS = 5  # after a cut for a failover or a stream behind, the limit doe
 # move the limit. An engine far ahead of the target (a cold start's few streams) gets there in a fraction
 # of the time (a CPU's slow-motion target would otherwise take ten times longer in stream-seconds).
 WINDOW_TOKENS = 170
-# A window's pace below the target cuts only if the pace over the last windows holding PACE_SPAN_TOKENS (this one
-# with them) is below it too, and only to the milder of the two. A CPU engine that yields the shared cores to the
-# codec replicas (megapod up's engine_nice) gets them in bursts: windows of 1 s read 0.10 where the engine kept 0.12
-# over its level, every dip cut the limit and only careful growth brought it back, and a warm worker settled at 32
-# streams against 46 kept pinned (issue 43, run 39). About 6 s of a 36-stream CPU level; a GPU's window holds more.
-PACE_SPAN_TOKENS = 1500
+# A window's pace below the target cuts only if the pace over the last windows spanning PACE_SPAN_S of audio time (at
+# the target pace; this one with them) is below it too, and only to the milder of the two. A CPU engine that yields the
+# shared cores to the codec replicas (megapod up's engine_nice) gets them in bursts: at 42 streams its pace over 2 s
+# ran 0.10-0.20 (0.14 over the level), single windows read 0.09-0.10, every dip cut the limit and only careful growth
+# brought it back, and a warm worker settled at 32 streams against 46 kept pinned (issue 43, run 39); over 1,500
+# tokens (3.5 s there) the dips still cut 64 -> 40 (run 40). 9.5 s in a CPU's slow motion, 0.95 s on a GPU.
+PACE_SPAN_S = 1.0
 # Each admitted stream has a listener at the target pace with no playout buffer (speech/playback.py), waiting from its
 # text until its first audio (less FIRST_AUDIO_S: a prompt's prefill and the codec's first chunk) and whenever it has
 # played all it was sent while audio is owed; its lag is those waits summed, in audio seconds. A stream whose lag
@@ -292,7 +293,7 @@ class CapacityLimit:
         self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
         self._codec: deque[tuple[float, float, float]] = deque()  # (when, owed audio s, wait s): the last quiet span's
         self._grown_queued = False  # grown past the slow start for requests waiting since the last window
-        self._paced: deque[Window] = deque()  # the last windows with a pace, holding PACE_SPAN_TOKENS with the newest
+        self._paced: deque[Window] = deque()  # the last windows with a pace, spanning PACE_SPAN_S with the newest
 
     @property
     def streams(self) -> int:
@@ -366,9 +367,10 @@ class CapacityLimit:
         self._failed_over = True
 
     def _span_pace(self, window: Window) -> float:
-        """The pace over the last windows that hold PACE_SPAN_TOKENS tokens, `window` (the newest) with them."""
+        """The pace over the last windows that span PACE_SPAN_S of audio time, `window` (the newest) with them."""
         self._paced.append(window)
-        while len(self._paced) > 1 and sum(w.tokens for w in self._paced) - self._paced[0].tokens >= PACE_SPAN_TOKENS:
+        span_s = PACE_SPAN_S / self.target_pace
+        while len(self._paced) > 1 and sum(w.elapsed_s for w in self._paced) - self._paced[0].elapsed_s >= span_s:
             self._paced.popleft()
         return Window(0.0, sum(w.stream_s for w in self._paced), sum(w.tokens for w in self._paced), 0).pace
 
