@@ -10,8 +10,8 @@ its slot forever, refused clients never getting one), and first to the request r
 (its `retries`: the count the openai SDK, and every SDK generated as it is, sends on each retry). In FIFO order
 alone each refusal starts a client's wait over: at 2x the capacity, clients had the same chance at every
 slot however long they had waited, and 16 % of them got no audio in 10 s of audio time (issue 43, run 37).
-A client that overstates its count gets ahead in the queue, never past the limit (nor past its key's cap). Never more streams than the limit: slowing every
-stream to fit one more breaks all. Past the limit's slow start, streams also start at most at the limit's worth
+A client that overstates its count gets ahead in the queue, never past the limit (nor past its key's cap).
+Never more streams than the limit: slowing every stream to fit one more breaks all. Past the limit's slow start, streams also start at most at the limit's worth
 per START_RAMP_S (below): a burst waits in the same queue. An API key name may have a cap of its own, on top of
 the worker's (its waiting requests count against it).
 """
