@@ -366,9 +366,8 @@ class CapacityLimit:
         update cuts the limit by CODEC_BACKOFF, once however many did."""
         self._failed_over = True
 
-    def _span_pace(self, window: Window) -> float:
-        """The pace over the last windows that span PACE_SPAN_S of audio time, `window` (the newest) with them."""
-        self._paced.append(window)
+    def _span_pace(self) -> float:
+        """The pace over the last windows that span PACE_SPAN_S of audio time (the newest last)."""
         span_s = PACE_SPAN_S / self.target_pace
         while len(self._paced) > 1 and sum(w.elapsed_s for w in self._paced) - self._paced[0].elapsed_s >= span_s:
             self._paced.popleft()
@@ -388,7 +387,10 @@ class CapacityLimit:
         quiet = self._quiet()  # careful growth waits for quiet only near the last trouble (_recovering)
         room = pace is not None and pace >= self.target_pace and heard.settled
         self._kept = window.mean_decoding * pace / self.target_pace if room else None
-        slow = None if pace is None else max(pace, self._span_pace(window))
+        slow = None
+        if pace is not None:
+            self._paced.append(window)
+            slow = max(pace, self._span_pace())
         if slow is not None and slow < self.target_pace:
             # Too slow for the streams decoding: the limit those streams would keep at the target.
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * slow / self.target_pace)), SLOW

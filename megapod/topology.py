@@ -84,7 +84,8 @@ class MegaPodConfig(TlsSettings):
     restart_dead: bool = True  # the launcher restarts a process that dies
     # With no GPU, the niceness each worker's engine runs at (llm_server's engine_nice) beside the codec replicas on
     # the same cores: frames the engine generates ahead of the codec took the cores the codec needed for the audio
-    # owed now (issue 43: in an overload level's opening, 8-10 s of audio generated a second, 1.4-2.0 decoded).
+    # owed now (issue 43, run 37: over the first 5 s of pinned levels of 34-37 streams, 8-10 s of audio generated a second,
+    # 1.4-2.0 decoded).
     cpu_engine_nice: int = Field(5, ge=0, le=19)
     # The voices directory every worker reads (LoRA adapters, clones made through POST /v1/voices): one for all,
     # so a voice made through one worker is every worker's. The chart's is a volume of its own.

@@ -27,6 +27,11 @@ RETRY_COUNT = "x-stainless-retry-count"
 LOADED_VOICES = "x-loaded-voices"
 
 
+def whole_number(value: str | None) -> int | None:
+    """A header's non-negative whole number (Retry-After's seconds, RETRY_COUNT), or None if it is not one."""
+    return int(value) if value and value.isascii() and value.isdigit() else None
+
+
 def voices_header(names: list[str]) -> bytes:
     """Voice names (any script) as LOADED_VOICES' value: percent-encoded UTF-8, comma-separated."""
     return ",".join(quote(name, safe="") for name in names).encode("ascii")

@@ -50,6 +50,7 @@ from orpheus_common.http import (
     TRY_AGAIN_LATER,
     error_response,
     voices_of_header,
+    whole_number,
 )
 from orpheus_common.loop_lag import LoopLag
 from orpheus_common.playground import playground
@@ -506,9 +507,8 @@ async def _forward(client: httpx.AsyncClient, pool: WorkerPool, request: Request
 def _longer_retry(current: str, offered: str | None) -> str:
     """The longer of two Retry-After values in whole seconds (a worker's that is not one is left out): the workers'
     own waits, as long as each one's admission queue holds a request."""
-    if offered is None or not offered.isdigit():
-        return current
-    return offered if int(offered) > int(current) else current
+    seconds = whole_number(offered)
+    return str(seconds) if seconds is not None and seconds > int(current) else current
 
 
 async def _discard(refusal: httpx.Response) -> None:

@@ -174,7 +174,6 @@ class Level:
         self.t0 = self.t_open = 0.0
         self.closed_at: float | None = None
         self.retry_after: dict[int, float] = {}
-        self.refusals: dict[int, int] = {}  # by stream: its refusals since it was last admitted
 
     async def run_level(self) -> LevelRun:
         self.t0 = time.perf_counter() + 0.05
@@ -215,15 +214,13 @@ class Level:
     async def _stream(self, client: httpx.AsyncClient, stream: int, start_at: float) -> None:
         """One closed-loop client: the next request as soon as the last one ended."""
         await _sleep_until(start_at)
-        seq = 0
+        seq = refusals = 0  # refusals since it was last admitted
         while not self.stop.is_set():
             req, text = self._new_request(stream, seq)
-            await self._send(client, req, text, self.refusals.get(stream, 0))
+            await self._send(client, req, text, refusals)
             seq += 1
-            if req.status in REFUSED:
-                self.refusals[stream] = self.refusals.get(stream, 0) + 1
-            elif req.status is not None:
-                self.refusals.pop(stream, None)
+            if req.status is not None:
+                refusals = refusals + 1 if req.status in REFUSED else 0
             if not req.completed and not self.stop.is_set():  # refused or failed: do not hammer
                 await asyncio.sleep(self.retry_after.pop(stream, self.shape.retry_s))
 

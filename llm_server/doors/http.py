@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from orpheus_common import connections
-from orpheus_common.http import ADMISSION_WAIT, RETRY_COUNT
+from orpheus_common.http import ADMISSION_WAIT, RETRY_COUNT, whole_number
 
 from ..config import LlmServerConfig
 from ..edge.errors import ApiError
@@ -107,8 +107,7 @@ def admission_wait(request: Request) -> float:
 def retries_of(request: Request) -> int:
     """How many times the client says it retried this request (RETRY_COUNT; 0 if it says nothing, or nothing that
     is a count): a hint that orders the admission queue, so a malformed one is ignored, not refused."""
-    value = request.headers.get(RETRY_COUNT, "")
-    return int(value) if value.isdigit() and value.isascii() else 0
+    return whole_number(request.headers.get(RETRY_COUNT)) or 0
 
 
 def refused_error(exc: Refused, queue_s: float) -> ApiError:
