@@ -13,8 +13,9 @@ window it moves the limit by the ratio of the measured pace to the target pace,
 
     limit <- streams decoding x pace / target
 
-growing only while the limit is in use (the admitted streams reached it), shrinking to at most half; a
-window's pace below the target cuts only if the last few windows' is too (PACE_SPAN_S).
+growing only while the limit is in use (the admitted streams reached it), shrinking to at most half, and only
+once the pace falls below real time (the target less its margin, TARGET_MARGIN); a window's pace below it cuts only
+if the last few windows' is too (PACE_SPAN_S).
 Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
 cold start the capacity is a few windows away) until the limit is first cut, then one stream at a time,
 each once the streams the last growth admitted have shown their cost (LISTENER_QUIET_S, below).
@@ -23,7 +24,7 @@ Where a step's time is a fixed part plus a part per stream (a GPU's: the weights
 each stream's KV cache once), that estimate lies between the current batch and the batch that runs at
 the target pace: the limit approaches it from either side without overshooting (tests/test_capacity.py
 holds this on such curves). The engine's pace cannot see every bottleneck (a codec tier sharing the cores,
-a replica behind); each admitted stream's listener at the target pace can (Listeners): a stream whose
+a replica behind); each admitted stream's listener at real time can (Listeners): a stream whose
 listener waited past its allowance (LISTENER_LAG_S unless configured) is behind, and the limit is cut by
 LISTENER_BACKOFF of the streams its window admitted, once for the streams admitted past it; past the slow
 start it grows only after LISTENER_QUIET_S of audio in which no listener waited and the codec tier delivered what it
@@ -50,26 +51,33 @@ from codec_contract.audio import CODES_PER_FRAME, FRAME_SAMPLES, SAMPLE_RATE
 
 REALTIME_TOKENS_PER_S = CODES_PER_FRAME * SAMPLE_RATE / FRAME_SAMPLES  # 82.03: one stream at real time
 # Why the limit moved (CapacityLimit.reason, orpheus_capacity_limit_changes_total{reason}, a log line each time):
-SLOW = "pace_below_target"  # the streams decoding got less than the target pace
+SLOW = "pace_below_realtime"  # the streams decoding got less than real time (the target less its margin)
 GROWTH = "growth"  # the limit was in use and the pace had room for more
 CODEC_FAILOVER = "codec_failover"  # a codec stream failed over (a replica refused, stalled or went away)
-LISTENER_BEHIND = "listener_behind"  # a stream's listener at the target pace waited past LISTENER_LAG_S
+LISTENER_BEHIND = "listener_behind"  # a stream's listener at real time waited past LISTENER_LAG_S
 REASONS = (SLOW, GROWTH, CODEC_FAILOVER, LISTENER_BEHIND)
 CODEC_BACKOFF = 0.9
+# The target pace is TARGET_MARGIN over real time (1.05 on a GPU, 0.105 in a CPU's slow motion: 5 % ahead): the room a
+# stream is admitted into, and what growth needs. Trouble is judged at real time itself: a pace below it cuts, and each
+# stream's listener plays at it (Listeners); a pace between the two neither grows nor cuts. Judged at the target, a
+# CPU worker's limit was cut four times by paces within 0.100-0.105 over the span (its listeners' real time is 0.1), and
+# once by a listener playing 5 % faster than its client (lag 0.257 s, on the way to first audio), 43 -> 36 at the end
+# of a level of 41 that passed; the next levels, 42 and 41, met that limit and were refused (issue 43, run 41).
+TARGET_MARGIN = 1.05
 HOLD_WINDOWS = 5  # after a cut for a failover or a stream behind, the limit does not grow for this many windows
 # A window ends only once its streams got this many tokens (about 24 deliveries of 7), or decoded as long
 # as that takes at the target pace: fewer say too little about the pace, and one delivery more or less would
 # move the limit. An engine far ahead of the target (a cold start's few streams) gets there in a fraction
 # of the time (a CPU's slow-motion target would otherwise take ten times longer in stream-seconds).
 WINDOW_TOKENS = 170
-# A window's pace below the target cuts only if the pace over the last windows spanning PACE_SPAN_S of audio time (at
+# A window's pace below real time cuts only if the pace over the last windows spanning PACE_SPAN_S of audio time (at
 # the target pace; this one with them) is below it too, and only to the milder of the two. A CPU engine that yields the
 # shared cores to the codec replicas (megapod up's engine_nice) gets them in bursts: at 42 streams its pace over 2 s
 # ran 0.10-0.20 (0.14 over the level), single windows read 0.09-0.10, every dip cut the limit and only careful growth
 # brought it back, and a warm worker settled at 32 streams against 46 kept pinned (issue 43, run 39); over 1,500
 # tokens (3.5 s there) the dips still cut 64 -> 40 (run 40). 9.5 s in a CPU's slow motion, 0.95 s on a GPU.
 PACE_SPAN_S = 1.0
-# Each admitted stream has a listener at the target pace with no playout buffer (speech/playback.py), waiting from its
+# Each admitted stream has a listener at real time with no playout buffer (speech/playback.py), waiting from its
 # text until its first audio (less FIRST_AUDIO_S: a prompt's prefill and the codec's first chunk) and whenever it has
 # played all it was sent while audio is owed; its lag is those waits summed, in audio seconds. A stream whose lag
 # passes LISTENER_LAG_S (listener_lag_s's default) is behind, once: five sixths of the 0.3 s playout buffer that
@@ -280,6 +288,7 @@ class CapacityLimit:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
         self.floor, self.ceiling, self.target_pace = floor, ceiling, target_pace
+        self.realtime_pace = target_pace / TARGET_MARGIN  # what a listener plays at: below it, streams fall behind
         self._window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
         self.limit = float(min(max(initial, floor), ceiling))
         self.pace: float | None = None  # the last window's
@@ -391,8 +400,8 @@ class CapacityLimit:
         if pace is not None:
             self._paced.append(window)
             slow = max(pace, self._span_pace())
-        if slow is not None and slow < self.target_pace:
-            # Too slow for the streams decoding: the limit those streams would keep at the target.
+        if slow is not None and slow < self.realtime_pace:
+            # Behind real time: the limit those streams would keep at the target.
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * slow / self.target_pace)), SLOW
         elif heard.behind_since_cut:
             # Streams behind: LISTENER_BACKOFF of the streams the window admitted (the limit, when it was in use).

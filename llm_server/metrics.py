@@ -84,7 +84,7 @@ class LlmMetrics:
         # The autoscaler's metric: a fixed active-stream target was wrong wherever the measured limit is not it.
         self.capacity_used = Gauge("megapod_worker_capacity_used_ratio", "Streams held over the streams admitted at "
                                    "once now (above 1 while the limit falls below what was admitted)", registry=r)
-        # reason: pace_below_target, growth, codec_failover, listener_behind (capacity.py); every move of the limit
+        # reason: pace_below_realtime, growth, codec_failover, listener_behind (capacity.py); every move of the limit
         self.limit_changes = Counter("orpheus_capacity_limit_changes", "Moves of the admission limit, by why it moved",
                                      ["reason"], registry=r)
         for reason in REASONS:
@@ -95,8 +95,8 @@ class LlmMetrics:
                                 "over the last quiet span (capacity.LISTENER_QUIET_S), over the target pace; past the "
                                 "slow start the limit grows only at capacity.CODEC_ROOM or more (NaN: no stream waited "
                                 "on the codec)", registry=r)
-        self.streams_behind = Counter("megapod_worker_streams_behind", "Admitted streams whose listener at the "
-                                      "target pace waited past the lag admission allows (capacity.LISTENER_LAG_S)",
+        self.streams_behind = Counter("megapod_worker_streams_behind", "Admitted streams whose listener at real "
+                                      "time waited past the lag admission allows (capacity.LISTENER_LAG_S)",
                                       registry=r)
         # action: refused (a message over a socket's budget, dropped unread), closed (a flood that went on)
         self.socket_refused = Counter("orpheus_socket_budget_refusals", "Client socket messages refused over the "

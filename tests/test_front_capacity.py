@@ -225,10 +225,10 @@ async def test_an_engine_slower_than_real_time_brings_the_limit_down_and_refusal
         assert registry.get_sample_value("megapod_worker_capacity_streams") == admission.max_streams
         # what the autoscaler reads: past 1 here, as the limit fell below the streams held
         assert registry.get_sample_value("megapod_worker_capacity_used_ratio") == 4 / admission.max_streams > 1
-        assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": "pace_below_target"}) >= 1
+        assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": "pace_below_realtime"}) >= 1
         assert registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": "listener_behind"}) == 0
         moves = [r.getMessage() for r in caplog.records if r.getMessage().startswith("admission limit 4 -> ")]
-        assert moves and "pace_below_target (pace 0." in moves[0] and "against a target of 1.05" in moves[0], moves
+        assert moves and "pace_below_realtime (pace 0." in moves[0] and "against real time 1.000 and a target of 1.050" in moves[0], moves
         for stream in streams:
             stream.cancel()
         await asyncio.gather(*streams, return_exceptions=True)

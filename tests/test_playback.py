@@ -101,6 +101,6 @@ async def test_streams_whose_listener_at_the_target_pace_waits_cut_the_admission
         get = served.runtime.metrics.registry.get_sample_value
         assert get("megapod_worker_streams_behind_total") == 2
         assert get("orpheus_capacity_limit_changes_total", {"reason": "listener_behind"}) == 1
-        assert get("orpheus_capacity_limit_changes_total", {"reason": "pace_below_target"}) == 0
+        assert get("orpheus_capacity_limit_changes_total", {"reason": "pace_below_realtime"}) == 0
         assert admission.max_streams == 2, "half the limit: its window admitted 2 streams"
         assert len(admission.listeners) == 0
