@@ -17,7 +17,8 @@ growing only while the limit is in use (the admitted streams reached it), shrink
 once the pace falls below real time (the target less its margin, TARGET_MARGIN); a window's pace below it cuts only
 if the last few windows' is too (PACE_SPAN_S).
 Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
-cold start the capacity is a few windows away) until the limit is first cut, then one stream at a time,
+cold start the capacity is a few windows away) until the limit is first cut or a burst fits under the streams the
+pace measured room for, then one stream at a time,
 each once the streams the last growth admitted have shown their cost (LISTENER_QUIET_S, below).
 
 Where a step's time is a fixed part plus a part per stream (a GPU's: the weights are read once a step,
@@ -29,8 +30,9 @@ listener waited past its allowance (LISTENER_LAG_S unless configured) is behind,
 LISTENER_BACKOFF of the streams its window admitted, once for the streams admitted past it; past the slow
 start it grows only after LISTENER_QUIET_S of audio in which no listener waited and the codec tier delivered what it
 owed at CODEC_ROOM x the target pace (a codec near its capacity shows before its listeners wait), except back up to
-a stream below the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an
-overload admits a level it kept before within a queue's wait). A codec stream failing over (a replica refusing,
+a stream below the streams admitted when it was last cut for its pace or a failover (a settled window a stream: a
+warm worker cut by an overload admits a level it kept before within a queue's wait; not past a cut for streams
+behind, whose streams were too many). A codec stream failing over (a replica refusing,
 stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for HOLD_WINDOWS. The limit stays within
 [floor, ceiling].
 """
@@ -206,7 +208,7 @@ class PaceMeter:
 
 @dataclass
 class ListenerWindow:
-    """What the admitted streams' listeners at the target pace showed over one window (Listeners.take)."""
+    """What the admitted streams' listeners at real time showed over one window (Listeners.take)."""
 
     allowed_s: float = LISTENER_LAG_S  # the lag a stream may reach before it is behind (0: never judged)
     behind: int = 0  # streams whose lag passed allowed_s in it (each stream once in its life)
@@ -220,7 +222,7 @@ class ListenerWindow:
 
 
 class Heard(Protocol):
-    """An admitted stream as its listener at the target pace hears it (SpeechSession)."""
+    """An admitted stream as its listener at real time hears it (SpeechSession)."""
 
     def listener_lag_s(self, now: float) -> float:
         """Audio seconds its listener has waited by `now`, past what a stream is allowed (FIRST_AUDIO_S)."""
@@ -296,8 +298,10 @@ class CapacityLimit:
         self.reason: str | None = None  # why the last update moved the limit (None: it did not)
         self._hold = 0  # windows left without growth after a cut for a failover or a stream behind
         # Slow start, as TCP's: the limit may double a window until it is first cut (a cut says where the capacity
-        # is), and from then on grows one stream at a time, each growth once the last one's streams settled.
-        self._cut_from: float | None = None  # the streams admitted when the limit was last cut (None: never cut)
+        # is) or a burst fits under the capacity the pace measured, and from then on grows one stream at a time, each
+        # growth once the last one's streams settled.
+        self._cut_from: float | None = None  # where the way back after a cut ends (_recovering; None: in the slow start)
+        self._reached = False  # a slow-start growth stopped at what the pace keeps, short of doubling
         self._kept: float | None = None  # the streams the last window's pace keeps at the target, if it had room
         self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
         self._codec: deque[tuple[float, float, float]] = deque()  # (when, owed audio s, wait s): the last quiet span's
@@ -311,7 +315,7 @@ class CapacityLimit:
 
     @property
     def slow_start(self) -> bool:
-        """Whether the limit may still double a window (it was never cut)."""
+        """Whether the limit may still double a window (never cut, and no burst fit under what the pace measured)."""
         return self._cut_from is None
 
     def enough(self, stream_s: float, tokens: int) -> bool:
@@ -336,6 +340,7 @@ class CapacityLimit:
             return False
         before = self.limit
         if self.slow_start:
+            self._reached = self._kept < min(2 * self.limit, float(self.ceiling))
             self.limit = min(self._kept, 2 * self.limit, float(self.ceiling))
         elif not self._hold and not self._grown_queued and self._quiet():
             self.limit = min(self._kept, self.limit + 1.0, float(self.ceiling))
@@ -385,7 +390,7 @@ class CapacityLimit:
     def update(self, window: Window, peak_admitted: int, admitted: int, heard: ListenerWindow | None = None) -> float:
         """End of a window: move the limit. `peak_admitted`: the most streams admitted at once in it (at
         the limit: demand met it, and every stream past it waited or was refused); `admitted`: now; `heard`: what
-        their listeners at the target pace showed (None: not looked at). Returns the new limit. A window without
+        their listeners at real time showed (None: not looked at). Returns the new limit. A window without
         enough decoding changes nothing."""
         pace = window.pace if self.enough(window.stream_s, window.tokens) else None
         limit, reason = self.limit, None
@@ -415,7 +420,9 @@ class CapacityLimit:
               and heard.settled and quiet):
             # In use, and not still over it after a decrease (the streams past it are yet to end).
             step = limit if self.slow_start else 1.0
-            limit = max(limit, min(window.mean_decoding * pace / self.target_pace, limit + step))
+            kept = window.mean_decoding * pace / self.target_pace
+            self._reached = self._reached or (self.slow_start and limit < kept < limit + step)
+            limit = max(limit, min(kept, limit + step))
             reason = GROWTH
         self._hold = HOLD_WINDOWS if reason == LISTENER_BEHIND else max(0, self._hold - 1)
         if self._failed_over:
@@ -425,7 +432,20 @@ class CapacityLimit:
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful
-            self._quiet_s, self._cut_from = 0.0, min(before, float(peak_admitted))
+            # The way back goes to a stream below the streams admitted at a pace cut or a failover (the engine or a
+            # replica may have been slow for a while), not past a cut for streams behind: those streams were too many.
+            # Back a stream a window after each, a 2x overload re-admitted the same trouble every 40-60 s: cuts
+            # 48 -> 42, 46 -> 41, 44 -> 39, 42 -> 37, each grown back to 44-46 within 20 s, and 8 of 182 admitted
+            # streams ran past the buffer (issue 43, run 43).
+            self._quiet_s = 0.0
+            self._cut_from = self.limit if reason == LISTENER_BEHIND else min(before, float(peak_admitted))
+        elif self.slow_start and self._reached and pace is not None and self.limit == before and peak_admitted < int(before):
+            # The slow start grew to what the pace keeps and a burst fit under it: the capacity is found (a slow start
+            # ends at ssthresh), and later bursts meet careful growth. On a CPU the pace measured while a burst's
+            # streams open overstates what they will cost (their prompts and first rows are yet to come): a warm
+            # worker never cut still doubled 46 -> 64 for a burst of 56, on paces of 0.12-0.14 at 44-51 streams, and
+            # admitted 53 where 48 kept real time pinned (run 43).
+            self._quiet_s, self._cut_from = 0.0, self.limit
         elif self.limit > before and not self.slow_start:  # a careful growth: the next waits for its streams' cost
             self._quiet_s = 0.0
         return self.limit
