@@ -288,7 +288,8 @@ async def measure(target: Target, targets: Sequence[Target], n: int, run: int, c
     tag = {} if shape.mode == "closed" else {"mode": shape.mode}
     if target.phase:
         tag["phase"] = target.phase
-        record.update({"phase": target.phase, **sampled})
+        admitted, over = admission.admitted_over_buffer(level_run, rt)  # the streams after its window too
+        record.update({"phase": target.phase, "admitted_requests": admitted, "admitted_over_buffer": over, **sampled})
     for row in jsonl_rows(level_run):
         jsonl.write(json.dumps({**row, **tag}, separators=(",", ":")) + "\n")
     return record, level_run

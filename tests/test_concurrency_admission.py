@@ -154,7 +154,7 @@ def test_sampler_without_the_failover_counter_says_none():
 
 
 def _record(phase: str, n: int, passed: bool, **figures) -> dict:
-    base = {"n": n, "passed": passed, "reasons": [] if passed else ["refused"], "ended_by": "complete",
+    base = {"n": n, "run": 1, "passed": passed, "reasons": [] if passed else ["refused"], "ended_by": "complete",
             "wall_s": 30.0, "success_share": 1.0, "realtime_share": 1.0, "ttfa_s": {"p95": 1.0},
             "required_buffer_s": {"p95": 0.1}, "phase": phase, "admitted_requests": 10, "admitted_over_buffer": 0,
             "refused_requests": 0, "clients": n, "clients_audio_within_s": 100.0, "clients_audio_within_share": 1.0,
@@ -207,6 +207,19 @@ def test_acceptance_names_the_criterion_missed(levels, n_warm, failed):
     assert not out["acceptance"]["passed"]
     assert {k for k, c in criteria.items() if not c["passed"]} == failed
     assert "acceptance: FAIL" in admission.summary_text(out)
+
+
+def test_the_searches_levels_that_passed_with_admitted_streams_over_the_buffer_are_named():
+    """A search level is judged on the streams sent while its window was open; its clients' later streams ran past
+    the buffer at the edge (issue 43, run 44: the pinned level of 50 passed with 2 of them), and the outcome says so."""
+    levels = _levels()
+    levels[0]["admitted_over_buffer"] = 2  # the pinned 4, passed
+    levels[1]["admitted_over_buffer"] = 3  # the pinned 8, failed: its failure says it already
+    out = _outcome(levels)
+    assert out["passed_with_admitted_over_buffer"] == {
+        admission.PINNED: [{"n": 4, "run": 1, "admitted_requests": levels[0]["admitted_requests"], "admitted_over_buffer": 2}],
+        admission.WARM: []}
+    assert "pinned search: passed with admitted streams over the buffer (after its window): N=4 2/10" in admission.summary_text(out)
 
 
 def test_warm_ratio_at_ninety_percent_passes_and_no_pinned_capacity_fails_both():

@@ -161,7 +161,17 @@ def outcome(levels: Sequence[dict], pinned: dict, warm: dict, audio_within_s: fl
     return {"n_max_pinned": n_pinned, "n_max_unconfigured_warm": warm["n_max"], "pinned_search": pinned,
             "fresh": brief(fresh), "warm_search": warm, "ratios_unconfigured_over_pinned": ratios,
             "overload": {overload_phase(k): brief(r) for k, r in overloads.items()},
+            "passed_with_admitted_over_buffer": passed_over_buffer(levels),
             "acceptance": acceptance(n_pinned, fresh, warm["n_max"], overloads, audio_within_s)}
+
+
+def passed_over_buffer(levels: Sequence[dict]) -> dict[str, list[dict]]:
+    """The searches' levels that passed though admitted streams ran past the buffer: a level is judged on the streams
+    sent while its window was open, and those its clients sent after it (as streams ended, beside the rest: the
+    load a worker keeps, not one burst) are judged only here."""
+    return {phase: [{k: r[k] for k in ("n", "run", "admitted_requests", "admitted_over_buffer")}
+                    for r in levels if r.get("phase") == phase and r["passed"] and r.get("admitted_over_buffer")]
+            for phase in (PINNED, WARM)}
 
 
 def acceptance(n_pinned: int, fresh: dict, n_warm: int, overloads: dict[int, dict],
@@ -224,6 +234,10 @@ def summary_text(block: dict) -> str:
         lines.append(f"{phase} (N={r['n']}): admitted over the buffer {r['admitted_over_buffer']}/"
                      f"{r['admitted_requests']}, codec failovers {_n(r['codec_failovers'])}, clients with audio in "
                      f"time {pct(r['clients_audio_within_share'])}, refused {r['refused_requests']}")
+    for phase, passed in block["passed_with_admitted_over_buffer"].items():
+        if passed:
+            lines.append(f"{phase}: passed with admitted streams over the buffer (after its window): " + ", ".join(
+                f"N={r['n']} {r['admitted_over_buffer']}/{r['admitted_requests']}" for r in passed))
     verdicts = ", ".join(f"{k} {'ok' if c['passed'] else 'NO'}" for k, c in block["acceptance"]["criteria"].items())
     lines.append(f"acceptance: {'PASS' if block['acceptance']['passed'] else 'FAIL'} ({verdicts})")
     return "\n".join(lines)
