@@ -47,7 +47,7 @@ class AdmissionController:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.meter = meter
-        # The admitted streams, as their listeners at real time hear them (capacity.Listeners).
+        # The admitted streams, as their listeners at the target pace hear them (capacity.Listeners).
         self.listeners = Listeners() if listeners is None else listeners
         self.heard = ListenerWindow(self.listeners.allowed_s)  # what they showed over the last window
         self.active = 0

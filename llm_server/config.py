@@ -17,7 +17,7 @@ from orpheus_common.settings import CommaList
 from orpheus_common.socket_budget import SocketLimits
 from orpheus_common.tls import TlsSettings
 
-from .capacity import LISTENER_LAG_S, TARGET_MARGIN
+from .capacity import LISTENER_LAG_S
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
@@ -94,14 +94,14 @@ class LlmServerConfig(TlsSettings):
     min_streams: int = Field(1, ge=1)
     initial_streams: int = Field(4, ge=1)
     # Unset: 1.05 on a GPU; on a CPU, 0.105 (no CPU keeps even one stream in real time: it is served
-    # in slow motion, the pace benchmarks/concurrency.py --quick judges it by). Growth needs it; streams are judged
-    # behind at it less its 5 % margin (realtime_pace).
+    # in slow motion, the pace benchmarks/concurrency.py --quick judges it by). Growth needs it, and each stream's
+    # listener plays at it; the engine's pace cuts the limit only below it less its 5 % margin (capacity.TARGET_MARGIN).
     target_pace: float | None = Field(None, gt=0)
     capacity_window_s: float = Field(1.0, gt=0)
     # Past the limit a request waits this long at most for a slot, first come first served (admission.py), then
     # is refused with 429. Unset: 0.3 s on a GPU, slowed as the target pace is (3 s on a CPU); 0: never.
     admission_queue_s: float | None = Field(None, ge=0)
-    # An admitted stream whose listener at real time (no playout buffer) waited this many audio seconds in all
+    # An admitted stream whose listener at the target pace (no playout buffer) waited this many audio seconds in all
     # is behind: the limit is cut and does not grow while listeners wait (capacity.Listeners); 0: not judged.
     listener_lag_s: float = Field(LISTENER_LAG_S, ge=0)
     max_input_chars: int = Field(4096, ge=1)
@@ -195,12 +195,6 @@ class LlmServerConfig(TlsSettings):
         if self.target_pace is not None:
             return self.target_pace
         return CPU_TARGET_PACE if self.resolved_device == "cpu" else GPU_TARGET_PACE
-
-    @property
-    def realtime_pace(self) -> float:
-        """The pace a stream's listener plays at, the target less its margin (capacity.TARGET_MARGIN): 1.0 on a GPU,
-        0.1 in a CPU's slow motion. Admission judges streams behind at it."""
-        return self.resolved_target_pace / TARGET_MARGIN
 
     def slowed(self, seconds_on_gpu: float) -> float:
         """A time set for the GPU's target pace, slowed as this worker's target is (ten times on a CPU)."""

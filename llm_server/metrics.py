@@ -95,8 +95,8 @@ class LlmMetrics:
                                 "over the last quiet span (capacity.LISTENER_QUIET_S), over the target pace; past the "
                                 "slow start the limit grows only at capacity.CODEC_ROOM or more (NaN: no stream waited "
                                 "on the codec)", registry=r)
-        self.streams_behind = Counter("megapod_worker_streams_behind", "Admitted streams whose listener at real "
-                                      "time waited past the lag admission allows (capacity.LISTENER_LAG_S)",
+        self.streams_behind = Counter("megapod_worker_streams_behind", "Admitted streams whose listener at the "
+                                      "target pace waited past the lag admission allows (capacity.LISTENER_LAG_S)",
                                       registry=r)
         # action: refused (a message over a socket's budget, dropped unread), closed (a flood that went on)
         self.socket_refused = Counter("orpheus_socket_budget_refusals", "Client socket messages refused over the "

@@ -190,7 +190,7 @@ class Runtime:
         pace = "-" if window.pace is None else f"{window.pace:.2f}"
         codec = "-" if limit.codec_pace is None else f"{limit.codec_pace:.2f}x"
         log.info("admission limit %d -> %d streams: %s (pace %s against real time %.3f and a target of %.3f, %.1f streams "
-                 "decoding, %d admitted; listeners at real time: %d fell behind, %d of them admitted since the last cut, the "
+                 "decoding, %d admitted; listeners at the target pace: %d fell behind, %d of them admitted since the last cut, the "
                  "most lag of one waiting %.3f s; codec owed audio at %s the target; %d codec failovers)", before,
                  limit.streams, limit.reason, pace, limit.realtime_pace, limit.target_pace, window.mean_decoding, self.admission.active,
                  heard.behind, heard.behind_since_cut, heard.waiting_lag_s, codec, failovers)

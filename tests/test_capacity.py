@@ -68,7 +68,7 @@ SLOWER = step_ms_curve(4.0, 0.12)  # a smaller GPU: real time for 68
 
 
 class Lagging:
-    """A stream as its listener at real time hears it: lag_s audio seconds waited (SpeechSession's double)."""
+    """A stream as its listener at the target pace hears it: lag_s audio seconds waited (SpeechSession's double)."""
 
     def __init__(self, lag_s: float = 0.0) -> None:
         self.lag_s = lag_s
@@ -156,7 +156,8 @@ def test_a_slower_engine_brings_the_limit_down_to_its_batch_without_undershoot_a
 
 def test_a_pace_between_real_time_and_the_target_neither_cuts_nor_grows_a_limit_in_use():
     """Issue 43, run 41: judged at the target (5 % over real time), spans at 0.100-0.105 on a CPU cut a warm worker's
-    limit four times while its listeners (at 0.1) kept up. Real time is the line for a cut; the target, for growth."""
+    limit four times while no listener waited. Real time is the line for the engine's pace to cut; the target, for
+    growth (the listeners keep the margin)."""
     limit = CapacityLimit(initial=40, floor=1, ceiling=64, target_pace=TARGET)
     assert limit.realtime_pace == pytest.approx(1.0)
     for pace in (1.049, 1.002, 1.02, 1.001):
@@ -493,23 +494,6 @@ def test_the_way_back_after_a_cut_ends_below_the_streams_it_found_in_use_not_bel
     assert grew == list(range(1, 8)) and limit.limit == 23, grew
 
 
-def test_no_way_back_past_a_cut_for_streams_behind_only_careful_growth():
-    """Issue 43, run 43: back a stream a window after every cut, a 2x overload's limit was cut for streams behind
-    48 -> 42, 46 -> 41, 44 -> 39, 42 -> 37, each time grown back to 44-46 within 20 s, and 8 of 182 admitted streams ran
-    past the buffer. Streams behind say the streams admitted were too many: past that cut, growth is careful at once
-    (a quiet span first), where past a pace cut the way back takes a stream a window."""
-    behind = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=0.105)
-    behind.update(Window.stepping(10, 1000 / REALTIME_TOKENS_PER_S, seconds=1.0), 20, 20, BEHIND)
-    assert behind.reason == LISTENER_BEHIND and behind.limit == 18 and not behind.slow_start
-    grew = growths_in_use(behind, seconds=30)
-    quiet_s = math.ceil(LISTENER_QUIET_S / 0.105)  # 15 s of windows with no listener waiting
-    assert grew == [quiet_s, 2 * quiet_s], grew
-    slow = CapacityLimit(initial=20, floor=1, ceiling=4096, target_pace=0.105)
-    slow.update(Window.stepping(20, 20 * 1000 / REALTIME_TOKENS_PER_S * 1.2, seconds=1.0), 20, 20)  # 0.8 x real time
-    assert slow.reason == SLOW and slow.limit < 18
-    assert growths_in_use(slow, seconds=4) == [1, 2, 3, 4], "the way back after a pace cut"
-
-
 def test_the_slow_start_ends_once_a_burst_fits_under_what_the_pace_measured():
     """Issue 43, run 43: never cut, a warm worker's limit stayed in its slow start and doubled 46 -> 64 for a burst of
     56 on the paces its opening streams showed, then admitted 53 where 48 kept real time. A slow start whose growth
@@ -627,7 +611,7 @@ async def test_the_worker_cuts_for_a_stream_behind_and_a_failover_and_exports_th
 
 
 def test_beside_a_codec_that_keeps_k_streams_the_limit_hovers_at_k():
-    """A fast engine beside a codec that keeps K streams in real time: a stream admitted while more than K
+    """A fast engine beside a codec that keeps K streams at the target pace: a stream admitted while more than K
     share it falls behind. From a cold start the limit doubles past K, is cut back, and then hovers at K, a stream
     over at most, one growth a settle, one cut a stream behind."""
     k, seen = 10, []

@@ -6,8 +6,7 @@ gap; a gap counts from when the listener ran dry, or from when the text it speak
 socket's next sentence arriving after the last one was heard is the client's pause, not ours). Gaps are in seconds
 of audio time (a wait on the clock x pace). vLLM-Omni exports the same as audio underrun seconds; SGLang-Omni's TTS
 benchmark passes a stream whose worst gap is within 100 or 200 ms. The worker keeps one listener at real time (its
-continuity metrics) and one at the device's real time (0.1 in a CPU's slow motion: what admission judges,
-capacity.Listeners).
+continuity metrics) and one at its target pace (what admission judges: capacity.Listeners).
 """
 
 from __future__ import annotations

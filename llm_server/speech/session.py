@@ -117,12 +117,12 @@ class SpeechSession:
         self.segments = 0  # segments handed to the stream so far; SegmentEnd.index counts the same way
         self._pace = ClientPace(runtime.config.max_client_lag_s)
         self.playback = Playback()  # what a real-time listener would hear of the audio sent
-        self.heard = Playback(runtime.config.realtime_pace)  # ... and one at the pace admission judges (capacity.py)
+        self.heard = Playback(runtime.config.resolved_target_pace)  # ... and one at the target pace (admission's)
         self._text_at: collections.deque[float] = collections.deque()  # when each segment not yet spoken was given
         self._speaking_text_at = time.monotonic()  # ... and the one being spoken now
         self._speaking = False  # a segment's audio is being sent
         self._first_text_at: float | None = None
-        self._first_wait_s = 0.0  # admission's listener's wait for the first audio, past FIRST_AUDIO_S
+        self._first_wait_s = 0.0  # the target-pace listener's wait for the first audio, past FIRST_AUDIO_S
         self._started = time.perf_counter()
         self._closed = False
         self._cancelled = False  # cancel() was called: a failure after it is only its echo
@@ -250,7 +250,7 @@ class SpeechSession:
         self.playback.sent(now, seconds, self._speaking_text_at)
 
     def _heard(self, seconds: float) -> None:
-        """Audio ready to send, as admission's listener hears it: when the worker had it, not when a
+        """Audio ready to send, as the listener at the target pace hears it: when the worker had it, not when a
         slow client took it (admission judges the worker's pace, not a client's network)."""
         now = time.monotonic()
         if not self.heard.started and self._first_text_at is not None:
@@ -258,7 +258,7 @@ class SpeechSession:
         self.heard.sent(now, seconds, self._speaking_text_at)
 
     def listener_lag_s(self, now: float) -> float:
-        """Audio seconds admission's listener has waited by `now` (capacity.Listeners): for the first
+        """Audio seconds the listener at the target pace has waited by `now` (capacity.Listeners): for the first
         audio past FIRST_AUDIO_S after the first text, then for audio owed (text given, not yet all spoken)."""
         pace = self.heard.pace
         if not self.heard.started:
