@@ -189,11 +189,12 @@ class Runtime:
         self.metrics.limit_changes.labels(limit.reason).inc()
         pace = "-" if window.pace is None else f"{window.pace:.2f}"
         codec = "-" if limit.codec_pace is None else f"{limit.codec_pace:.2f}x"
-        log.info("admission limit %d -> %d streams: %s (pace %s against real time %.3f and a target of %.3f, %.1f streams "
-                 "decoding, %d admitted; listeners at the target pace: %d fell behind, %d of them admitted since the last cut, the "
-                 "most lag of one waiting %.3f s; codec owed audio at %s the target; %d codec failovers)", before,
-                 limit.streams, limit.reason, pace, limit.realtime_pace, limit.target_pace, window.mean_decoding, self.admission.active,
-                 heard.behind, heard.behind_since_cut, heard.waiting_lag_s, codec, failovers)
+        log.info("admission limit %d -> %d streams: %s (pace %s against real time %.3f and a target of %.3f, %.1f "
+                 "streams decoding, %d admitted; listeners at the target pace: %d fell behind, %d of them admitted since "
+                 "the last cut, the most lag of one waiting %.3f s; codec owed audio at %s the target; %d codec "
+                 "failovers)", before, limit.streams, limit.reason, pace, limit.realtime_pace, limit.target_pace,
+                 window.mean_decoding, self.admission.active, heard.behind, heard.behind_since_cut, heard.waiting_lag_s,
+                 codec, failovers)
 
     async def readiness_problems(self) -> list[str]:
         """Why this worker should not get traffic now; empty when ready."""
