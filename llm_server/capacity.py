@@ -62,8 +62,8 @@ CODEC_BACKOFF = 0.9
 # stream is admitted into, what growth needs, and the pace each stream's listener plays at (Listeners: the margin
 # covers what the load itself takes from the streams, a flood of refusals on shared cores). The engine's pace, a
 # predictor, cuts only below real time itself; between the two it neither grows nor cuts. Judged at the target, a CPU
-# worker's limit was cut four times by paces within 0.100-0.105 over the span while no listener waited (issue 43, run
-# 41). With the listeners at real time too, admitted streams ran past the buffer at 2x in runs 43-45 (8, 1 and 6;
+# worker's limit was cut four times by paces within 0.100-0.105 over the span while no listener was behind (issue 43,
+# run 41). With the listeners at real time too, admitted streams ran past the buffer at 2x in runs 43-45 (8, 1 and 6;
 # none in runs 39-41 and 46, at the target): the 2x refusals took 3-5 % of the codec's cores (10-11 % at 3x).
 TARGET_MARGIN = 1.05
 HOLD_WINDOWS = 5  # after a cut for a failover or a stream behind, the limit does not grow for this many windows
@@ -301,7 +301,7 @@ class CapacityLimit:
         # is) or a burst fits under the capacity the pace measured, and from then on grows one stream at a time, each
         # growth once the last one's streams settled.
         self._cut_from: float | None = None  # where the way back after a cut ends (_recovering; None: in the slow start)
-        self._reached = False  # a slow-start growth stopped at what the pace keeps, short of doubling
+        self._reached = False  # the last slow-start growth stopped at what the pace keeps, short of doubling
         self._kept: float | None = None  # the streams the last window's pace keeps at the target, if it had room
         self._quiet_s = 0.0  # seconds of windows since a listener last waited, or the limit last grew past a cut
         self._codec: deque[tuple[float, float, float]] = deque()  # (when, owed audio s, wait s): the last quiet span's
@@ -340,13 +340,19 @@ class CapacityLimit:
             return False
         before = self.limit
         if self.slow_start:
-            self._reached = self._kept < min(2 * self.limit, float(self.ceiling))
-            self.limit = min(self._kept, 2 * self.limit, float(self.ceiling))
+            self.limit = self._slow_start_growth(self._kept)
         elif not self._hold and not self._grown_queued and self._quiet():
             self.limit = min(self._kept, self.limit + 1.0, float(self.ceiling))
             self._grown_queued, self._quiet_s = True, 0.0  # as a window's careful growth: the next waits for its cost
         self.reason = GROWTH if self.limit > before else None
         return self.limit > before
+
+    def _slow_start_growth(self, kept: float) -> float:
+        """The limit a slow-start growth to `kept` streams (more than the limit) takes: at most double, within the
+        ceiling; noting whether the pace, not the doubling, bounded it (_reached)."""
+        bound = min(2 * self.limit, float(self.ceiling))
+        self._reached = kept < bound
+        return min(kept, bound)
 
     def _recovering(self) -> bool:
         """Past the slow start and up to a stream below the streams admitted when the limit was last cut: careful
@@ -400,7 +406,8 @@ class CapacityLimit:
         self._grown_queued = False
         quiet = self._quiet()  # careful growth waits for quiet only near the last trouble (_recovering)
         room = pace is not None and pace >= self.target_pace and heard.settled
-        self._kept = window.mean_decoding * pace / self.target_pace if room else None
+        kept = None if pace is None else window.mean_decoding * pace / self.target_pace  # streams this pace keeps
+        self._kept = kept if room else None
         slow = None
         if pace is not None:
             self._paced.append(window)
@@ -419,10 +426,8 @@ class CapacityLimit:
         elif (pace is not None and peak_admitted >= self.streams >= admitted and not self._hold
               and heard.settled and quiet):
             # In use, and not still over it after a decrease (the streams past it are yet to end).
-            step = limit if self.slow_start else 1.0
-            kept = window.mean_decoding * pace / self.target_pace
-            self._reached = self._reached or (self.slow_start and limit < kept < limit + step)
-            limit = max(limit, min(kept, limit + step))
+            if kept > limit:
+                limit = self._slow_start_growth(kept) if self.slow_start else min(kept, limit + 1.0)
             reason = GROWTH
         self._hold = HOLD_WINDOWS if reason == LISTENER_BEHIND else max(0, self._hold - 1)
         if self._failed_over:

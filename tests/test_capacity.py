@@ -156,7 +156,7 @@ def test_a_slower_engine_brings_the_limit_down_to_its_batch_without_undershoot_a
 
 def test_a_pace_between_real_time_and_the_target_neither_cuts_nor_grows_a_limit_in_use():
     """Issue 43, run 41: judged at the target (5 % over real time), spans at 0.100-0.105 on a CPU cut a warm worker's
-    limit four times while no listener waited. Real time is the line for the engine's pace to cut; the target, for
+    limit four times while no listener was behind. Real time is the line for the engine's pace to cut; the target, for
     growth (the listeners keep the margin)."""
     limit = CapacityLimit(initial=40, floor=1, ceiling=64, target_pace=TARGET)
     assert limit.realtime_pace == pytest.approx(1.0)
@@ -512,6 +512,18 @@ def test_the_slow_start_ends_once_a_burst_fits_under_what_the_pace_measured():
     run(doubling, FAST, windows=2)
     doubling.update(window_at(10, FAST), 10, 10)  # fits under 16, which no pace figure stopped at
     assert doubling.slow_start and doubling.limit == 16
+
+
+def test_the_slow_start_ends_only_under_a_limit_its_last_growth_took_from_the_pace():
+    """Between windows (requests waiting) as at a window's end: a growth the pace bounded, then a doubling on a larger
+    figure, leaves a limit no pace measured, and a burst fitting under it does not end the slow start."""
+    limit = CapacityLimit(initial=8, floor=1, ceiling=4096, target_pace=TARGET)
+    limit.update(Window.stepping(4, 1000 / (REALTIME_TOKENS_PER_S * TARGET * 3), 1.0), 4, 4)  # not in use: room for 12
+    assert limit.grow_queued() and limit.limit == pytest.approx(12, abs=0.01)  # the pace's figure, short of 16
+    limit.update(window_at(12, FAST), 12, 12)  # far ahead: doubled
+    assert limit.limit == pytest.approx(24, abs=0.02) and limit.slow_start
+    limit.update(window_at(20, FAST), 20, 20)  # fits under 24, which the doubling set
+    assert limit.slow_start
 
 
 def test_past_the_way_back_growth_waits_for_a_codec_with_room_too():
