@@ -32,6 +32,7 @@ def codec_client_config(config: LlmServerConfig) -> CodecClientConfig:
         policy=POLICIES[config.codec_policy],
         stall_timeout_s=config.resolved_codec_stall_timeout_s,
         target_pace=config.resolved_target_pace,  # audio slower than this is late: the codec tier is behind
+        listener_ahead_s=config.codec_listener_ahead_s,
         tls_ca=config.codec_tls_ca,
         tls_cert=config.codec_tls_cert,
         tls_key=config.codec_tls_key,

@@ -10,6 +10,7 @@ before anything reaches the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -54,7 +55,10 @@ def settings_from_header(header: codec_pb2.SessionHeader, config: SnacServerConf
         raise InvalidFrames(f"unknown sample_format {header.sample_format}")
     if not (math.isfinite(header.listener_pace) and header.listener_pace >= 0):
         raise InvalidFrames(f"listener_pace {header.listener_pace}: a pace is finite and >= 0 (0: real time)")
-    return SessionSettings(header.seed, policy, header.first_frame, header.emit_from_sample, header.listener_pace or 1.0)
+    if not (math.isfinite(header.listener_ahead_s) and header.listener_ahead_s >= 0):
+        raise InvalidFrames(f"listener_ahead_s {header.listener_ahead_s}: seconds of audio, finite and >= 0 (0: no bound)")
+    return SessionSettings(header.seed, policy, header.first_frame, header.emit_from_sample, header.listener_pace or 1.0,
+                           header.listener_ahead_s)
 
 
 def encode_pcm(pcm: np.ndarray, sample_format: int) -> bytes:
@@ -98,6 +102,7 @@ class _Stream:
         self.changed = asyncio.Event()  # new frames, the end, or a reader error
         self.read = asyncio.Event()  # the handler took frames: a reader held by flow control may go on
         self.error: Exception | None = None
+        self.failed = asyncio.Event()  # the reader set `error`: a held row waits no longer
         # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
         # what was sent is the next row's due time; until the first audio, the stream's arrival.
         self.due = time.perf_counter()
@@ -107,6 +112,14 @@ class _Stream:
         if samples:
             pace = self.session.settings.listener_pace
             self.due = max(self.due, time.perf_counter()) + samples / SAMPLE_RATE / pace
+
+    def hold_s(self) -> float:
+        """How long the next row waits: until the listener is within `listener_ahead_s` of running out (0: now,
+        and always before the first audio or with no bound)."""
+        settings = self.session.settings
+        if not settings.listener_ahead_s or not self.session.started:
+            return 0.0
+        return self.due - settings.listener_ahead_s / settings.listener_pace - time.perf_counter()
 
     def row_frames(self) -> int:
         """The most frames its next row may carry (0: no bound): whole frames of audio its listener still has to
@@ -219,6 +232,10 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             if stream.error is not None:
                 code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(stream.error, InvalidFrames) else grpc.StatusCode.INTERNAL
                 await context.abort(code, str(stream.error))
+            if (hold := stream.hold_s()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stream.failed.wait(), hold)
+                continue
             row = session.next_row(stream.row_frames())
             if row is None:
                 if session.drained:  # nothing more to decode: close with an empty final chunk
@@ -298,6 +315,7 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             if not isinstance(exc, InvalidFrames):
                 log.exception("reading a Decode stream failed")
             stream.error = exc
+            stream.failed.set()
             stream.changed.set()
 
     @staticmethod

@@ -37,6 +37,7 @@ class SessionSettings:
     first_frame: int = 0
     emit_from_sample: int = 0
     listener_pace: float = 1.0  # x real time: when the listener needs each row's audio (the decode order)
+    listener_ahead_s: float = 0.0  # the most audio decoded ahead of the listener (0: no bound)
 
 
 @dataclass(frozen=True)

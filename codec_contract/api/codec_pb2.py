@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63odec_contract/api/codec.proto\x12\x10megapod.codec.v3\"\xd7\x01\n\rSessionHeader\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12(\n\x06policy\x18\x02 \x01(\x0e\x32\x18.megapod.codec.v3.Policy\x12\x35\n\rsample_format\x18\x03 \x01(\x0e\x32\x1e.megapod.codec.v3.SampleFormat\x12\x13\n\x0b\x66irst_frame\x18\x04 \x01(\x04\x12\x18\n\x10\x65mit_from_sample\x18\x05 \x01(\x04\x12\x11\n\tstream_id\x18\x06 \x01(\t\x12\x15\n\rlistener_pace\x18\x07 \x01(\x02\"\x1d\n\x06\x46rames\x12\r\n\x05\x63odes\x18\x02 \x01(\x0cJ\x04\x08\x01\x10\x02\"\r\n\x0b\x45ndOfStream\"\xa4\x01\n\rDecodeRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.megapod.codec.v3.SessionHeaderH\x00\x12*\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x18.megapod.codec.v3.FramesH\x00\x12,\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1d.megapod.codec.v3.EndOfStreamH\x00\x42\x06\n\x04kind\"<\n\x08PcmChunk\x12\x14\n\x0c\x66irst_sample\x18\x01 \x01(\x04\x12\x0b\n\x03pcm\x18\x02 \x01(\x0c\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"1\n\rEncodeRequest\x12\x13\n\x0bsample_rate\x18\x01 \x01(\r\x12\x0b\n\x03pcm\x18\x02 \x01(\x0c\"\x1c\n\x0b\x45ncodeReply\x12\r\n\x05\x63odes\x18\x01 \x01(\x0c*L\n\x06Policy\x12\x16\n\x12POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10POLICY_REFERENCE\x10\x01\x12\x14\n\x10POLICY_STREAMING\x10\x02*_\n\x0cSampleFormat\x12\x1d\n\x19SAMPLE_FORMAT_UNSPECIFIED\x10\x00\x12\x17\n\x13SAMPLE_FORMAT_F32LE\x10\x01\x12\x17\n\x13SAMPLE_FORMAT_S16LE\x10\x02\x32\xa0\x01\n\tSnacCodec\x12I\n\x06\x44\x65\x63ode\x12\x1f.megapod.codec.v3.DecodeRequest\x1a\x1a.megapod.codec.v3.PcmChunk(\x01\x30\x01\x12H\n\x06\x45ncode\x12\x1f.megapod.codec.v3.EncodeRequest\x1a\x1d.megapod.codec.v3.EncodeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63odec_contract/api/codec.proto\x12\x10megapod.codec.v3\"\xf1\x01\n\rSessionHeader\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12(\n\x06policy\x18\x02 \x01(\x0e\x32\x18.megapod.codec.v3.Policy\x12\x35\n\rsample_format\x18\x03 \x01(\x0e\x32\x1e.megapod.codec.v3.SampleFormat\x12\x13\n\x0b\x66irst_frame\x18\x04 \x01(\x04\x12\x18\n\x10\x65mit_from_sample\x18\x05 \x01(\x04\x12\x11\n\tstream_id\x18\x06 \x01(\t\x12\x15\n\rlistener_pace\x18\x07 \x01(\x02\x12\x18\n\x10listener_ahead_s\x18\x08 \x01(\x02\"\x1d\n\x06\x46rames\x12\r\n\x05\x63odes\x18\x02 \x01(\x0cJ\x04\x08\x01\x10\x02\"\r\n\x0b\x45ndOfStream\"\xa4\x01\n\rDecodeRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.megapod.codec.v3.SessionHeaderH\x00\x12*\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x18.megapod.codec.v3.FramesH\x00\x12,\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1d.megapod.codec.v3.EndOfStreamH\x00\x42\x06\n\x04kind\"<\n\x08PcmChunk\x12\x14\n\x0c\x66irst_sample\x18\x01 \x01(\x04\x12\x0b\n\x03pcm\x18\x02 \x01(\x0c\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"1\n\rEncodeRequest\x12\x13\n\x0bsample_rate\x18\x01 \x01(\r\x12\x0b\n\x03pcm\x18\x02 \x01(\x0c\"\x1c\n\x0b\x45ncodeReply\x12\r\n\x05\x63odes\x18\x01 \x01(\x0c*L\n\x06Policy\x12\x16\n\x12POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10POLICY_REFERENCE\x10\x01\x12\x14\n\x10POLICY_STREAMING\x10\x02*_\n\x0cSampleFormat\x12\x1d\n\x19SAMPLE_FORMAT_UNSPECIFIED\x10\x00\x12\x17\n\x13SAMPLE_FORMAT_F32LE\x10\x01\x12\x17\n\x13SAMPLE_FORMAT_S16LE\x10\x02\x32\xa0\x01\n\tSnacCodec\x12I\n\x06\x44\x65\x63ode\x12\x1f.megapod.codec.v3.DecodeRequest\x1a\x1a.megapod.codec.v3.PcmChunk(\x01\x30\x01\x12H\n\x06\x45ncode\x12\x1f.megapod.codec.v3.EncodeRequest\x1a\x1d.megapod.codec.v3.EncodeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'codec_contract.api.codec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POLICY']._serialized_start=626
-  _globals['_POLICY']._serialized_end=702
-  _globals['_SAMPLEFORMAT']._serialized_start=704
-  _globals['_SAMPLEFORMAT']._serialized_end=799
+  _globals['_POLICY']._serialized_start=652
+  _globals['_POLICY']._serialized_end=728
+  _globals['_SAMPLEFORMAT']._serialized_start=730
+  _globals['_SAMPLEFORMAT']._serialized_end=825
   _globals['_SESSIONHEADER']._serialized_start=53
-  _globals['_SESSIONHEADER']._serialized_end=268
-  _globals['_FRAMES']._serialized_start=270
-  _globals['_FRAMES']._serialized_end=299
-  _globals['_ENDOFSTREAM']._serialized_start=301
-  _globals['_ENDOFSTREAM']._serialized_end=314
-  _globals['_DECODEREQUEST']._serialized_start=317
-  _globals['_DECODEREQUEST']._serialized_end=481
-  _globals['_PCMCHUNK']._serialized_start=483
-  _globals['_PCMCHUNK']._serialized_end=543
-  _globals['_ENCODEREQUEST']._serialized_start=545
-  _globals['_ENCODEREQUEST']._serialized_end=594
-  _globals['_ENCODEREPLY']._serialized_start=596
-  _globals['_ENCODEREPLY']._serialized_end=624
-  _globals['_SNACCODEC']._serialized_start=802
-  _globals['_SNACCODEC']._serialized_end=962
+  _globals['_SESSIONHEADER']._serialized_end=294
+  _globals['_FRAMES']._serialized_start=296
+  _globals['_FRAMES']._serialized_end=325
+  _globals['_ENDOFSTREAM']._serialized_start=327
+  _globals['_ENDOFSTREAM']._serialized_end=340
+  _globals['_DECODEREQUEST']._serialized_start=343
+  _globals['_DECODEREQUEST']._serialized_end=507
+  _globals['_PCMCHUNK']._serialized_start=509
+  _globals['_PCMCHUNK']._serialized_end=569
+  _globals['_ENCODEREQUEST']._serialized_start=571
+  _globals['_ENCODEREQUEST']._serialized_end=620
+  _globals['_ENCODEREPLY']._serialized_start=622
+  _globals['_ENCODEREPLY']._serialized_end=650
+  _globals['_SNACCODEC']._serialized_start=828
+  _globals['_SNACCODEC']._serialized_end=988
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ SAMPLE_FORMAT_F32LE: SampleFormat
 SAMPLE_FORMAT_S16LE: SampleFormat
 
 class SessionHeader(_message.Message):
-    __slots__ = ("seed", "policy", "sample_format", "first_frame", "emit_from_sample", "stream_id", "listener_pace")
+    __slots__ = ("seed", "policy", "sample_format", "first_frame", "emit_from_sample", "stream_id", "listener_pace", "listener_ahead_s")
     SEED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SessionHeader(_message.Message):
     EMIT_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LISTENER_PACE_FIELD_NUMBER: _ClassVar[int]
+    LISTENER_AHEAD_S_FIELD_NUMBER: _ClassVar[int]
     seed: int
     policy: Policy
     sample_format: SampleFormat
@@ -40,7 +41,8 @@ class SessionHeader(_message.Message):
     emit_from_sample: int
     stream_id: str
     listener_pace: float
-    def __init__(self, seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., sample_format: _Optional[_Union[SampleFormat, str]] = ..., first_frame: _Optional[int] = ..., emit_from_sample: _Optional[int] = ..., stream_id: _Optional[str] = ..., listener_pace: _Optional[float] = ...) -> None: ...
+    listener_ahead_s: float
+    def __init__(self, seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., sample_format: _Optional[_Union[SampleFormat, str]] = ..., first_frame: _Optional[int] = ..., emit_from_sample: _Optional[int] = ..., stream_id: _Optional[str] = ..., listener_pace: _Optional[float] = ..., listener_ahead_s: _Optional[float] = ...) -> None: ...
 
 class Frames(_message.Message):
     __slots__ = ("codes",)

@@ -86,6 +86,9 @@ class CodecClientConfig:
     max_attempts: int = 6
     stall_timeout_s: float = 10.0  # owed audio, none for this long: the replica is hung
     target_pace: float = 1.0  # audio per second of waiting a stream needs from its replica (the worker's target)
+    # The most audio a replica decodes a stream ahead of its listener at target_pace (0: no bound; the header's
+    # listener_ahead_s): replicas sharing cores or a GPU spend nothing on streams far ahead while others fall behind.
+    listener_ahead_s: float = 0.0
     keepalive_s: float = 10.0  # ping each connection this often (server accepts >= 5 s)...
     keepalive_timeout_s: float = 5.0  # ...and drop it when a ping goes unanswered this long
     tls_ca: str = ""  # CA file: TLS on (plaintext without it)
@@ -254,6 +257,7 @@ class CodecStream:
         self._arrived = asyncio.Event()  # frames or the end came in (or the stream was cancelled)
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
+        self._due: float | None = None  # when the listener at target_pace runs out of the audio so far (loop time)
         self.failovers = 0
         self._on_failover = on_failover
         self._on_delivery = on_delivery
@@ -309,6 +313,8 @@ class CodecStream:
             chunk = self._accept(message)
             attempts = 1  # audio arrived: only failures in a row use up the attempts
             if chunk is not None:
+                self._heard(chunk.num_samples)
+            if chunk is not None:
                 yield chunk
                 if chunk.final:
                     return
@@ -329,7 +335,7 @@ class CodecStream:
         """How long the read now pending has waited for owed audio (0 while none is pending or none is owed)."""
         if self._reading is None or self._cancelled or not self._owed():
             return 0.0
-        return now - self._stall_clock
+        return max(0.0, now - self._owed_since())
 
     def cancel(self) -> None:
         """Abandon the stream (client went away): the codec drops its session."""
@@ -365,7 +371,7 @@ class CodecStream:
         reading = self._reading
         while not reading.done():
             # Not owed: look again after a timeout's worth, since a send() may have started the clock.
-            left = self._stall_clock + self._config.stall_timeout_s - loop.time() if self._owed() else None
+            left = self._owed_since() + self._config.stall_timeout_s - loop.time() if self._owed() else None
             if left is not None and left <= 0:
                 self._end_wait()
                 reading.cancel()  # cancels the call too
@@ -397,7 +403,7 @@ class CodecStream:
         """A chunk of owed audio arrived: its length and a frame's (the most a replica may hold back before it
         can emit), and the wait for it (since it became owed, or since this read began: a reader held up by a
         slow client does not count against the replica)."""
-        waited = asyncio.get_running_loop().time() - self._stall_clock
+        waited = max(0.0, asyncio.get_running_loop().time() - self._owed_since())
         samples = len(message.pcm) // self._sample_bytes + FRAME_SAMPLES
         self._on_delivery(samples / SAMPLE_RATE, waited)
 
@@ -406,6 +412,19 @@ class CodecStream:
         have not arrived (the contract says how many, per policy)."""
         sent = self._frames_start + len(self._frames)
         return final_samples(self._config.policy, sent, self._ended) > self._delivered
+
+    def _owed_since(self) -> float:
+        """When the replica began to owe the audio waited for: the stall clock, or, while the listener still has more
+        than listener_ahead_s to play, the moment it gets within it (the replica holds the row until then)."""
+        if self._due is None or not self._config.listener_ahead_s:
+            return self._stall_clock
+        return max(self._stall_clock, self._due - self._config.listener_ahead_s / self._config.target_pace)
+
+    def _heard(self, samples: int) -> None:
+        """`samples` arrived now: the listener at target_pace plays them after what it has (as the replica counts)."""
+        if samples:
+            now = asyncio.get_running_loop().time()
+            self._due = max(self._due or now, now) + samples / SAMPLE_RATE / self._config.target_pace
 
     def _start_stall_clock(self, was_owed: bool) -> None:
         """The wait for audio starts when the stream becomes owed, not while it was idle."""
@@ -435,6 +454,7 @@ class CodecStream:
             seed=self._seed, policy=self._config.policy, sample_format=self._config.sample_format,
             first_frame=first, emit_from_sample=self._delivered, stream_id=self._stream_id,
             listener_pace=self._config.target_pace,  # the replica decodes first what is due first at this pace
+            listener_ahead_s=self._config.listener_ahead_s,
         )
         self._call = self._stub().Decode(wait_for_ready=True)
         await self._write_header(codec_pb2.DecodeRequest(header=header))
