@@ -196,6 +196,8 @@ def _bad_streams():
         "resume backwards": ([header_request(1, first_frame=9, emit_from_sample=2)], "before first_frame"),
         "negative listener pace": ([header_request(1, listener_pace=-1.0)], "listener_pace -1"),
         "listener pace not a number": ([header_request(1, listener_pace=float("nan"))], "listener_pace nan"),
+        "negative listener ahead": ([header_request(1, listener_ahead_s=-0.5)], "listener_ahead_s -0.5"),
+        "listener ahead infinite": ([header_request(1, listener_ahead_s=float("inf"))], "listener_ahead_s inf"),
     }
 
 
@@ -295,3 +297,48 @@ def test_a_streams_next_row_is_due_when_its_listener_would_run_out_at_its_pace(m
     clock[0] = 110.0
     stream.sent(2400)  # after it ran out: it plays from now
     assert stream.due == pytest.approx(111.0)
+
+
+def test_a_streams_next_row_waits_until_its_listener_is_within_its_bound_of_running_out(monkeypatch):
+    """listener_ahead_s: no wait before the first audio (its time to first audio) nor with no bound; then the next row
+    waits until the listener at its pace has at most the bound left to play."""
+    clock = [100.0]
+    monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
+    session = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1, listener_ahead_s=0.5),
+                              started=False)
+    stream = _Stream(session, 0)
+    assert stream.hold_s() == 0.0
+    session.started = True
+    stream.sent(48000)  # 2 s of audio: 20 s to play at 0.1x
+    assert stream.hold_s() == pytest.approx(15.0)  # until 0.5 s of audio (5 s at 0.1x) is left
+    clock[0] += 15.0
+    assert stream.hold_s() == pytest.approx(0.0)
+    unbounded = _Stream(SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1), started=True), 0)
+    unbounded.sent(48000)
+    assert unbounded.hold_s() == 0.0
+
+
+async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_nears_them(snac_server, stub):
+    """All 32 frames (2.7 s of audio) at once, a listener at real time and a bound of 0.3 s: the first row comes at once
+    (no bound before the first audio), each later one only once the listener, playing from the first audio, has at
+    most 0.3 s left (the replica's clock starts before ours: 0.1 s of slack). The audio is the same."""
+    frames = random_frames(32, seed=4)
+    arrivals = []
+
+    async def requests():
+        yield header_request(12, listener_pace=1.0, listener_ahead_s=0.3)
+        yield frames_request(frames)
+        yield END_REQUEST
+
+    loop = asyncio.get_running_loop()
+    chunks = []
+    async for chunk in stub.Decode(requests()):
+        chunks.append(chunk)
+        arrivals.append(loop.time())
+    played = np.cumsum([0] + [len(c.pcm) // 4 for c in chunks]) / 24000  # audio sent before each chunk
+    assert len(chunks) > 3
+    for k in range(1, len(chunks)):
+        runs_out = arrivals[0] + played[k]  # when the listener would have played everything before chunk k
+        assert arrivals[k] >= runs_out - 0.3 - 0.1, (k, arrivals[k] - runs_out)
+    audio = np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
+    assert np.abs(audio - _full(snac_server, frames, 12)).max() <= 1e-4
