@@ -68,7 +68,8 @@ def test_worker_settings_reach_the_codec_client():
         codec_tls_key="k.pem", codec_tls_server_name="snac.test",
     ))
     assert (config.addresses, config.stall_timeout_s) == ("a:1,b:2", 3.5)
-    assert config.listener_ahead_s == LlmServerConfig().codec_listener_ahead_s == 0.5
+    assert config.listener_ahead_s == LlmServerConfig().codec_listener_ahead_s == 0.0  # off unless set
+    assert codec_client_config(LlmServerConfig(codec_listener_ahead_s=0.5)).listener_ahead_s == 0.5
     assert (config.tls_ca, config.tls_cert, config.tls_key, config.tls_server_name) == (
         "ca.pem", "c.pem", "k.pem", "snac.test"
     )
