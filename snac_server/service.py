@@ -113,13 +113,17 @@ class _Stream:
             pace = self.session.settings.listener_pace
             self.due = max(self.due, time.perf_counter()) + samples / SAMPLE_RATE / pace
 
+    def left_s(self) -> float:
+        """Audio its listener still has to play of what was sent (0 once it ran out)."""
+        return max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
+
     def hold_s(self) -> float:
         """How long the next row waits: until the listener is within `listener_ahead_s` of running out (0: now,
         and always before the first audio or with no bound)."""
         settings = self.session.settings
         if not settings.listener_ahead_s or not self.session.started:
             return 0.0
-        return self.due - settings.listener_ahead_s / settings.listener_pace - time.perf_counter()
+        return (self.left_s() - settings.listener_ahead_s) / settings.listener_pace
 
     def row_frames(self) -> int:
         """The most frames its next row may carry (0: no bound): whole frames of audio its listener still has to
@@ -131,8 +135,7 @@ class _Stream:
         the noise between runs, perhaps, but not shown to be)."""
         if not self.session.started:
             return 0
-        ahead_s = max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
-        return max(ROW_FRAMES_FLOOR, int(ahead_s * SAMPLE_RATE) // FRAME_SAMPLES)
+        return max(ROW_FRAMES_FLOOR, int(self.left_s() * SAMPLE_RATE) // FRAME_SAMPLES)
 
 
 async def _next_request(requests) -> codec_pb2.DecodeRequest | None:

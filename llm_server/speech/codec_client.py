@@ -44,6 +44,8 @@ from codec_contract.audio import (
 )
 from codec_contract.client import END_REQUEST, SERVICE, channel, frames_request
 
+from .playback import Playback
+
 log = logging.getLogger(__name__)
 
 # Status codes after which the same frames are worth resending to another replica.
@@ -257,7 +259,7 @@ class CodecStream:
         self._arrived = asyncio.Event()  # frames or the end came in (or the stream was cancelled)
         self._sample_bytes = _SAMPLE_BYTES[config.sample_format]
         self._stall_clock = 0.0  # when the current wait for audio began
-        self._due: float | None = None  # when the listener at target_pace runs out of the audio so far (loop time)
+        self._listener = Playback(config.target_pace)  # the stream's listener, as the replica's hold counts it (loop time)
         self.failovers = 0
         self._on_failover = on_failover
         self._on_delivery = on_delivery
@@ -313,8 +315,8 @@ class CodecStream:
             chunk = self._accept(message)
             attempts = 1  # audio arrived: only failures in a row use up the attempts
             if chunk is not None:
-                self._heard(chunk.num_samples)
-            if chunk is not None:
+                now = asyncio.get_running_loop().time()
+                self._listener.sent(now, chunk.num_samples / SAMPLE_RATE, now)
                 yield chunk
                 if chunk.final:
                     return
@@ -416,15 +418,10 @@ class CodecStream:
     def _owed_since(self) -> float:
         """When the replica began to owe the audio waited for: the stall clock, or, while the listener still has more
         than listener_ahead_s to play, the moment it gets within it (the replica holds the row until then)."""
-        if self._due is None or not self._config.listener_ahead_s:
+        runs_out = self._listener.runs_out_at
+        if runs_out is None or not self._config.listener_ahead_s:
             return self._stall_clock
-        return max(self._stall_clock, self._due - self._config.listener_ahead_s / self._config.target_pace)
-
-    def _heard(self, samples: int) -> None:
-        """`samples` arrived now: the listener at target_pace plays them after what it has (as the replica counts)."""
-        if samples:
-            now = asyncio.get_running_loop().time()
-            self._due = max(self._due or now, now) + samples / SAMPLE_RATE / self._config.target_pace
+        return max(self._stall_clock, runs_out - self._config.listener_ahead_s / self._config.target_pace)
 
     def _start_stall_clock(self, was_owed: bool) -> None:
         """The wait for audio starts when the stream becomes owed, not while it was idle."""

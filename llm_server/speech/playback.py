@@ -24,6 +24,11 @@ class Playback:
     def started(self) -> bool:
         return self._playhead is not None
 
+    @property
+    def runs_out_at(self) -> float | None:
+        """When the listener will have played all it was sent (monotonic; None before the first audio)."""
+        return self._playhead
+
     def sent(self, now: float, seconds: float, text_at: float) -> None:
         """`seconds` of audio sent at `now` (monotonic), speaking text given at `text_at`."""
         if seconds <= 0:
