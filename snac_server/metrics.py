@@ -30,6 +30,8 @@ class SnacMetrics:
             registry=r,
         )
         self.active_streams = Gauge("snac_active_streams", "Open decode streams", registry=r)
+        self.held_streams = Gauge("snac_held_streams", "Streams further ahead of their listeners than their bound, "
+                                  "waiting while rows other streams need are decoded", registry=r)
         self.slots_in_use = Gauge("snac_state_slots_in_use", "Streaming decoder state slots holding a stream", registry=r)
         # Their ratio is the decoder's redundancy: ~1.0 streaming (plus flush and resume context), 4.0 reference.
         self.frames_decoded = Counter(

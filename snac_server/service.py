@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
@@ -118,12 +118,19 @@ class _Stream:
         return max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
 
     def hold_s(self) -> float:
-        """How long the next row waits: until the listener is within `listener_ahead_s` of running out (0: now,
-        and always before the first audio or with no bound)."""
+        """How long the next row may wait for rows other streams need (NeededRows): until the listener is within
+        `listener_ahead_s` of running out (0: now, and always before the first audio or with no bound)."""
         settings = self.session.settings
         if not settings.listener_ahead_s or not self.session.started:
             return 0.0
         return (self.left_s() - settings.listener_ahead_s) / settings.listener_pace
+
+    def needs_row(self) -> bool:
+        """Whether its listener needs the next row now: before the first audio, or within its bound of running out
+        (with no bound, only before the first audio: the rest may run ahead)."""
+        if not self.session.started:
+            return True
+        return bool(self.session.settings.listener_ahead_s) and self.hold_s() <= 0
 
     def row_frames(self) -> int:
         """The most frames its next row may carry (0: no bound): whole frames of audio its listener still has to
@@ -136,6 +143,40 @@ class _Stream:
         if not self.session.started:
             return 0
         return max(ROW_FRAMES_FLOOR, int(self.left_s() * SAMPLE_RATE) // FRAME_SAMPLES)
+
+
+class NeededRows:
+    """The rows being decoded that their streams' listeners need now (_Stream.needs_row). A stream further ahead of its
+    listener than its bound waits while there are any, and decodes ahead while there are none: on shared cores (or a
+    shared GPU) a replica that decoded every stream as far ahead as its frames went ended the streams it favoured
+    sooner, so round robin piled the others on it (27 streams against 16, issue 43's run 46); a replica with nothing
+    needed is idle, and a body read whole (a client that does not stream) ends as soon as it is decoded."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.none = asyncio.Event()  # set while count is 0
+        self.none.set()
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Around one needed row, from its submission to its PCM."""
+        self.count += 1
+        self.none.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count:
+                self.none.set()
+
+    async def wait(self, stream: _Stream, timeout_s: float) -> None:
+        """Until none is being decoded, `stream`'s reader fails, or `timeout_s` passes (the stream needs its row)."""
+        waits = [asyncio.ensure_future(self.none.wait()), asyncio.ensure_future(stream.failed.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
 
 async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
@@ -163,6 +204,7 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
         self._metrics = metrics
         self._delay = delay
         self.active = 0
+        self.needed = NeededRows()
 
     async def Decode(
         self, request_iterator: AsyncIterator[codec_pb2.DecodeRequest], context: grpc.aio.ServicerContext
@@ -235,9 +277,12 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             if stream.error is not None:
                 code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(stream.error, InvalidFrames) else grpc.StatusCode.INTERNAL
                 await context.abort(code, str(stream.error))
-            if (hold := stream.hold_s()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stream.failed.wait(), hold)
+            if self.needed.count and (hold := stream.hold_s()) > 0:
+                self._metrics.held_streams.inc()
+                try:
+                    await self.needed.wait(stream, hold)
+                finally:
+                    self._metrics.held_streams.dec()
                 continue
             row = session.next_row(stream.row_frames())
             if row is None:
@@ -250,7 +295,8 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
             stream.read.set()
             submitted = time.perf_counter()
             try:
-                pcm = await self._batcher.submit(row, stream.due)
+                with self.needed.decoding() if stream.needs_row() else contextlib.nullcontext():
+                    pcm = await self._batcher.submit(row, stream.due)
             except Exception as exc:
                 log.error("decode of a stream's row failed: %s", exc)
                 await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {exc}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -68,25 +69,29 @@ def test_worker_settings_reach_the_codec_client():
         codec_tls_key="k.pem", codec_tls_server_name="snac.test",
     ))
     assert (config.addresses, config.stall_timeout_s) == ("a:1,b:2", 3.5)
-    assert config.listener_ahead_s == LlmServerConfig().codec_listener_ahead_s == 0.0  # off unless set
-    assert codec_client_config(LlmServerConfig(codec_listener_ahead_s=0.5)).listener_ahead_s == 0.5
+    assert config.listener_ahead_s == LlmServerConfig().codec_listener_ahead_s == 0.5
+    assert codec_client_config(LlmServerConfig(codec_listener_ahead_s=0.0)).listener_ahead_s == 0.0
     assert (config.tls_ca, config.tls_cert, config.tls_key, config.tls_server_name) == (
         "ca.pem", "c.pem", "k.pem", "snac.test"
     )
 
 
 async def test_a_replica_holding_a_stream_near_its_listener_is_not_counted_slow(replicas):
-    """With listener_ahead_s the replica sends a stream's rows only as its listener (here at 0.25x) gets within 0.2 s
-    of running out: the stream's chunks come at about its listener's pace, and the waits for them are counted from
-    that moment, so the owed audio's pace reads the replica's own speed (a tiny random-weight codec, many times the
-    listener's), not the listener's. Counted from when the audio became owed, as with no bound, it read about 1x."""
+    """With listener_ahead_s a replica decoding rows other streams need (here one on each, the whole time) sends a
+    stream's rows only as its listener (here at 0.25x) gets within 0.2 s of running out: the stream's chunks come at
+    about its listener's pace, and the waits for them are counted from that moment, so the owed audio's pace reads the
+    replica's own speed (a tiny random-weight codec, many times the listener's), not the listener's. Counted from when
+    the audio became owed, as with no bound, it read about 1x."""
     pace, ahead_s = 0.25, 0.2
     client = _client(replicas, target_pace=pace, listener_ahead_s=ahead_s)
     frames = random_frames(24, seed=3)  # 2.05 s of audio: 8.2 s at 0.25x
     try:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        audio, chunks, _ = await _run(client, frames, seed=3)
+        with contextlib.ExitStack() as others_need_rows:
+            for replica in replicas:
+                others_need_rows.enter_context(replica.service.needed.decoding())
+            audio, chunks, _ = await _run(client, frames, seed=3)
         took = loop.time() - started
         reference, _, _ = await _run(_client(replicas), frames, seed=3)
     finally:

@@ -318,23 +318,59 @@ def test_a_streams_next_row_waits_until_its_listener_is_within_its_bound_of_runn
     assert unbounded.hold_s() == 0.0
 
 
-async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_nears_them(snac_server, stub):
-    """All 32 frames (2.7 s of audio) at once, a listener at real time and a bound of 0.3 s: the first row comes at once
-    (no bound before the first audio), each later one only once the listener, playing from the first audio, has at
-    most 0.3 s left (the replica's clock starts before ours: 0.1 s of slack). The audio is the same."""
-    frames = random_frames(32, seed=4)
-    arrivals = []
+def test_a_stream_needs_its_row_before_its_first_audio_and_within_its_bound(monkeypatch):
+    """The rows a stream past its bound yields to: its first, and any once its listener is within the bound of running
+    out; a stream with no bound needs only its first (the rest may run ahead)."""
+    clock = [100.0]
+    monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
+    bounded = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1, listener_ahead_s=0.5),
+                              started=False)
+    unbounded = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1), started=False)
+    streams = [_Stream(bounded, 0), _Stream(unbounded, 0)]
+    assert [s.needs_row() for s in streams] == [True, True]
+    bounded.started = unbounded.started = True
+    for s in streams:
+        s.sent(48000)  # 2 s of audio: 20 s to play at 0.1x
+    assert [s.needs_row() for s in streams] == [False, False]
+    clock[0] += 15.0  # 0.5 s of audio left
+    assert [s.needs_row() for s in streams] == [True, False]
 
+
+async def _decode_timed(stub, frames, **header) -> tuple[list, list[float]]:
+    """One stream of all `frames` at once: its chunks and when each arrived (loop time)."""
     async def requests():
-        yield header_request(12, listener_pace=1.0, listener_ahead_s=0.3)
+        yield header_request(12, **header)
         yield frames_request(frames)
         yield END_REQUEST
 
     loop = asyncio.get_running_loop()
-    chunks = []
+    chunks, arrivals = [], []
     async for chunk in stub.Decode(requests()):
         chunks.append(chunk)
         arrivals.append(loop.time())
+    return chunks, arrivals
+
+
+async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_nears_them_while_others_need_theirs(
+        snac_server, stub):
+    """All 32 frames (2.7 s of audio) at once, a listener at real time and a bound of 0.3 s, while another stream's
+    needed row is decoding the whole time: the first row comes at once (no bound before the first audio), each later
+    one only once the listener, playing from the first audio, has at most 0.3 s left (the replica's clock starts before
+    ours: 0.1 s of slack). The audio is the same; the held stream was counted while it waited."""
+    frames = random_frames(32, seed=4)
+    held = []
+
+    async def watch():
+        while True:
+            held.append(snac_server.metrics.registry.get_sample_value("snac_held_streams"))
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        with snac_server.service.needed.decoding():  # another stream's needed row
+            chunks, arrivals = await _decode_timed(stub, frames, listener_pace=1.0, listener_ahead_s=0.3)
+    finally:
+        watcher.cancel()
     played = np.cumsum([0] + [len(c.pcm) // 4 for c in chunks]) / 24000  # audio sent before each chunk
     assert len(chunks) > 3
     for k in range(1, len(chunks)):
@@ -342,3 +378,15 @@ async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_near
         assert arrivals[k] >= runs_out - 0.3 - 0.1, (k, arrivals[k] - runs_out)
     audio = np.concatenate([np.frombuffer(c.pcm, "<f4") for c in chunks])
     assert np.abs(audio - _full(snac_server, frames, 12)).max() <= 1e-4
+    assert max(held) == 1
+    assert snac_server.metrics.registry.get_sample_value("snac_held_streams") == 0
+
+
+async def test_a_stream_ahead_of_its_listener_decodes_ahead_while_no_other_stream_needs_a_row(stub):
+    """The same stream with nothing else needed: its listener at 0.1x would play its 2.7 s of audio for 27 s, and its
+    body ends as soon as it is decoded (a client reading it whole waits for the decoding, not the listener)."""
+    frames = random_frames(32, seed=4)
+    chunks, arrivals = await _decode_timed(stub, frames, listener_pace=0.1, listener_ahead_s=0.3)
+    audio_s = sum(len(c.pcm) // 4 for c in chunks) / 24000
+    assert audio_s == pytest.approx(32 * 2048 / 24000, abs=0.2)
+    assert arrivals[-1] - arrivals[0] < audio_s / 0.1 - 0.3 / 0.1 - 10.0  # held, the last chunk came >= 24 s after the first
