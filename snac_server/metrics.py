@@ -31,7 +31,7 @@ class SnacMetrics:
         )
         self.active_streams = Gauge("snac_active_streams", "Open decode streams", registry=r)
         self.held_streams = Gauge("snac_held_streams", "Streams further ahead of their listeners than their bound, "
-                                  "waiting while rows other streams need are decoded", registry=r)
+                                  "waiting while another stream needs its next row", registry=r)
         self.slots_in_use = Gauge("snac_state_slots_in_use", "Streaming decoder state slots holding a stream", registry=r)
         # Their ratio is the decoder's redundancy: ~1.0 streaming (plus flush and resume context), 4.0 reference.
         self.frames_decoded = Counter(

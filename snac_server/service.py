@@ -118,7 +118,7 @@ class _Stream:
         return max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
 
     def hold_s(self) -> float:
-        """How long the next row may wait for rows other streams need (NeededRows): until the listener is within
+        """How long the next row may wait while other streams need theirs (OpenStreams): until the listener is within
         `listener_ahead_s` of running out (0: now, and always before the first audio or with no bound)."""
         settings = self.session.settings
         if not settings.listener_ahead_s or not self.session.started:
@@ -127,7 +127,9 @@ class _Stream:
 
     def needs_row(self) -> bool:
         """Whether its listener needs the next row now: before the first audio, or within its bound of running out
-        (with no bound, only before the first audio: the rest may run ahead)."""
+        (with no bound, only before the first audio: the rest may run ahead); never once all is decoded."""
+        if self.session.drained:
+            return False
         if not self.session.started:
             return True
         return bool(self.session.settings.listener_ahead_s) and self.hold_s() <= 0
@@ -145,33 +147,41 @@ class _Stream:
         return max(ROW_FRAMES_FLOOR, int(self.left_s() * SAMPLE_RATE) // FRAME_SAMPLES)
 
 
-class NeededRows:
-    """The rows being decoded that their streams' listeners need now (_Stream.needs_row). A stream further ahead of its
-    listener than its bound waits while there are any, and decodes ahead while there are none: on shared cores (or a
-    shared GPU) a replica that decoded every stream as far ahead as its frames went ended the streams it favoured
-    sooner, so round robin piled the others on it (27 streams against 16, issue 43's run 46); a replica with nothing
-    needed is idle, and a body read whole (a client that does not stream) ends as soon as it is decoded."""
+class OpenStreams:
+    """A replica's streams being decoded, and which of them need their next row now (_Stream.needs_row). A stream
+    further ahead of its listener than its bound waits while another needs its row, and decodes ahead while none does.
+    On shared cores (or a shared GPU) a replica that decoded every stream as far ahead as its frames went ended the
+    streams it favoured sooner, and round robin piled the others on it (27 streams against 16, issue 43's run 46); held
+    only while rows others needed were being decoded, the cores' slack between them still went to streams far ahead, and
+    at 3x 19 % of the streams ran fast and 35 past the buffer (run 50; held always, 5 % and none, run 47). A stream
+    waiting for frames counts: the engine shares the cores. Alone, a stream decodes as fast as it can: a body read
+    whole (a client that does not stream) ends as soon as it is decoded."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.none = asyncio.Event()  # set while count is 0
-        self.none.set()
+        self._streams: set[_Stream] = set()
+        self._changed = asyncio.Event()  # set, and replaced, when a stream got audio it needed, or left
 
     @contextlib.contextmanager
-    def decoding(self) -> Iterator[None]:
-        """Around one needed row, from its submission to its PCM."""
-        self.count += 1
-        self.none.clear()
+    def decoding(self, stream: _Stream) -> Iterator[None]:
+        self._streams.add(stream)
         try:
             yield
         finally:
-            self.count -= 1
-            if not self.count:
-                self.none.set()
+            self._streams.discard(stream)
+            self.changed()
+
+    def changed(self) -> None:
+        """A stream got audio it needed, or left: a held stream looks again."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def others_need(self, stream: _Stream) -> bool:
+        """Whether another stream needs its next row now."""
+        return any(other is not stream and other.needs_row() for other in self._streams)
 
     async def wait(self, stream: _Stream, timeout_s: float) -> None:
-        """Until none is being decoded, `stream`'s reader fails, or `timeout_s` passes (the stream needs its row)."""
-        waits = [asyncio.ensure_future(self.none.wait()), asyncio.ensure_future(stream.failed.wait())]
+        """Until a stream got audio or left, `stream`'s reader fails, or `timeout_s` passes (it needs its row)."""
+        waits = [asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(stream.failed.wait())]
         try:
             await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -204,7 +214,7 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
         self._metrics = metrics
         self._delay = delay
         self.active = 0
-        self.needed = NeededRows()
+        self.streams = OpenStreams()
 
     async def Decode(
         self, request_iterator: AsyncIterator[codec_pb2.DecodeRequest], context: grpc.aio.ServicerContext
@@ -273,38 +283,42 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
     async def _decode(self, stream: _Stream, context: grpc.aio.ServicerContext) -> AsyncIterator[Emission]:
         """Decode row after row as frames arrive; yield what each makes final, the final emission last."""
         session = stream.session
-        while True:
-            if stream.error is not None:
-                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(stream.error, InvalidFrames) else grpc.StatusCode.INTERNAL
-                await context.abort(code, str(stream.error))
-            if self.needed.count and (hold := stream.hold_s()) > 0:
-                self._metrics.held_streams.inc()
+        with self.streams.decoding(stream):
+            while True:
+                if stream.error is not None:
+                    invalid = isinstance(stream.error, InvalidFrames)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL,
+                                        str(stream.error))
+                if (hold := stream.hold_s()) > 0 and self.streams.others_need(stream):
+                    self._metrics.held_streams.inc()
+                    try:
+                        await self.streams.wait(stream, hold)
+                    finally:
+                        self._metrics.held_streams.dec()
+                    continue
+                row = session.next_row(stream.row_frames())
+                if row is None:
+                    if session.drained:  # nothing more to decode: close with an empty final chunk
+                        yield Emission(session.emitted, np.zeros(0, np.float32), final=True)
+                        return
+                    stream.changed.clear()
+                    await stream.changed.wait()
+                    continue
+                stream.read.set()
+                needed = stream.needs_row()
+                submitted = time.perf_counter()
                 try:
-                    await self.needed.wait(stream, hold)
-                finally:
-                    self._metrics.held_streams.dec()
-                continue
-            row = session.next_row(stream.row_frames())
-            if row is None:
-                if session.drained:  # nothing more to decode: close with an empty final chunk
-                    yield Emission(session.emitted, np.zeros(0, np.float32), final=True)
-                    return
-                stream.changed.clear()
-                await stream.changed.wait()
-                continue
-            stream.read.set()
-            submitted = time.perf_counter()
-            try:
-                with self.needed.decoding() if stream.needs_row() else contextlib.nullcontext():
                     pcm = await self._batcher.submit(row, stream.due)
-            except Exception as exc:
-                log.error("decode of a stream's row failed: %s", exc)
-                await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {exc}")
-            self._metrics.chunk_latency.observe(time.perf_counter() - submitted)
-            emission = session.take(row, pcm)
-            if emission is not None:
-                stream.sent(len(emission.pcm))
-                yield emission
+                except Exception as exc:
+                    log.error("decode of a stream's row failed: %s", exc)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {exc}")
+                self._metrics.chunk_latency.observe(time.perf_counter() - submitted)
+                emission = session.take(row, pcm)
+                if emission is not None:
+                    stream.sent(len(emission.pcm))
+                    if needed:  # other streams may be held for it
+                        self.streams.changed()
+                    yield emission
 
     @staticmethod
     async def _check_after_end(reader: asyncio.Task, stream: _Stream, context: grpc.aio.ServicerContext) -> None:

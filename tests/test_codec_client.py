@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from llm_server.runtime import codec_client_config
 from megapod.launcher import free_ports
 from codec_contract.api import codec_pb2
 from snac_server.server import build_server
+from snac_server.service import _Stream
+from snac_server.session import SessionSettings
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -77,7 +80,7 @@ def test_worker_settings_reach_the_codec_client():
 
 
 async def test_a_replica_holding_a_stream_near_its_listener_is_not_counted_slow(replicas):
-    """With listener_ahead_s a replica decoding rows other streams need (here one on each, the whole time) sends a
+    """With listener_ahead_s a replica where other streams need rows (here one on each, the whole time) sends a
     stream's rows only as its listener (here at 0.25x) gets within 0.2 s of running out: the stream's chunks come at
     about its listener's pace, and the waits for them are counted from that moment, so the owed audio's pace reads the
     replica's own speed (a tiny random-weight codec, many times the listener's), not the listener's. Counted from when
@@ -89,8 +92,9 @@ async def test_a_replica_holding_a_stream_near_its_listener_is_not_counted_slow(
         loop = asyncio.get_running_loop()
         started = loop.time()
         with contextlib.ExitStack() as others_need_rows:
-            for replica in replicas:
-                others_need_rows.enter_context(replica.service.needed.decoding())
+            for replica in replicas:  # another stream on each, waiting for its first audio the whole time
+                waiting = SimpleNamespace(settings=SessionSettings(2, "streaming"), started=False, drained=False)
+                others_need_rows.enter_context(replica.service.streams.decoding(_Stream(waiting, 0)))
             audio, chunks, _ = await _run(client, frames, seed=3)
         took = loop.time() - started
         reference, _, _ = await _run(_client(replicas), frames, seed=3)

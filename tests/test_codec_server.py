@@ -320,12 +320,13 @@ def test_a_streams_next_row_waits_until_its_listener_is_within_its_bound_of_runn
 
 def test_a_stream_needs_its_row_before_its_first_audio_and_within_its_bound(monkeypatch):
     """The rows a stream past its bound yields to: its first, and any once its listener is within the bound of running
-    out; a stream with no bound needs only its first (the rest may run ahead)."""
+    out; a stream with no bound needs only its first (the rest may run ahead); none once all of it is decoded."""
     clock = [100.0]
     monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
     bounded = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1, listener_ahead_s=0.5),
-                              started=False)
-    unbounded = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1), started=False)
+                              started=False, drained=False)
+    unbounded = SimpleNamespace(settings=SessionSettings(1, "streaming", listener_pace=0.1), started=False,
+                                drained=False)
     streams = [_Stream(bounded, 0), _Stream(unbounded, 0)]
     assert [s.needs_row() for s in streams] == [True, True]
     bounded.started = unbounded.started = True
@@ -334,6 +335,8 @@ def test_a_stream_needs_its_row_before_its_first_audio_and_within_its_bound(monk
     assert [s.needs_row() for s in streams] == [False, False]
     clock[0] += 15.0  # 0.5 s of audio left
     assert [s.needs_row() for s in streams] == [True, False]
+    bounded.drained = True
+    assert not streams[0].needs_row()
 
 
 async def _decode_timed(stub, frames, **header) -> tuple[list, list[float]]:
@@ -351,10 +354,15 @@ async def _decode_timed(stub, frames, **header) -> tuple[list, list[float]]:
     return chunks, arrivals
 
 
+def _waiting_for_first_audio() -> _Stream:
+    """Another stream on the replica, waiting for its first audio (its frames yet to come) the whole time."""
+    return _Stream(SimpleNamespace(settings=SessionSettings(2, "streaming"), started=False, drained=False), 0)
+
+
 async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_nears_them_while_others_need_theirs(
         snac_server, stub):
-    """All 32 frames (2.7 s of audio) at once, a listener at real time and a bound of 0.3 s, while another stream's
-    needed row is decoding the whole time: the first row comes at once (no bound before the first audio), each later
+    """All 32 frames (2.7 s of audio) at once, a listener at real time and a bound of 0.3 s, while another stream waits
+    for its first audio the whole time: the first row comes at once (no bound before the first audio), each later
     one only once the listener, playing from the first audio, has at most 0.3 s left (the replica's clock starts before
     ours: 0.1 s of slack). The audio is the same; the held stream was counted while it waited."""
     frames = random_frames(32, seed=4)
@@ -367,7 +375,7 @@ async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_near
 
     watcher = asyncio.create_task(watch())
     try:
-        with snac_server.service.needed.decoding():  # another stream's needed row
+        with snac_server.service.streams.decoding(_waiting_for_first_audio()):
             chunks, arrivals = await _decode_timed(stub, frames, listener_pace=1.0, listener_ahead_s=0.3)
     finally:
         watcher.cancel()
@@ -390,3 +398,21 @@ async def test_a_stream_ahead_of_its_listener_decodes_ahead_while_no_other_strea
     audio_s = sum(len(c.pcm) // 4 for c in chunks) / 24000
     assert audio_s == pytest.approx(32 * 2048 / 24000, abs=0.2)
     assert arrivals[-1] - arrivals[0] < audio_s / 0.1 - 0.3 / 0.1 - 10.0  # held, the last chunk came >= 24 s after the first
+
+
+async def test_a_held_stream_decodes_ahead_once_no_other_stream_needs_a_row(snac_server, stub):
+    """Held (listener at 0.1x: its first row's 1.2 s of audio last 12 s) while another stream waits for its first
+    audio; that stream leaves after 1 s, and the held one's body ends as soon as the rest is decoded, not as its
+    listener nears it (its second row would wait about 9 s)."""
+    other = _waiting_for_first_audio()
+
+    async def leave_after_1_s():
+        with snac_server.service.streams.decoding(other):
+            await asyncio.sleep(1.0)
+
+    leaving = asyncio.create_task(leave_after_1_s())
+    await asyncio.sleep(0)  # registered before the stream opens
+    chunks, arrivals = await _decode_timed(stub, random_frames(48, seed=5), listener_pace=0.1, listener_ahead_s=0.3)
+    await leaving
+    assert len(chunks) > 1
+    assert arrivals[-1] - arrivals[0] < 5.0

@@ -88,8 +88,8 @@ class CodecClientConfig:
     max_attempts: int = 6
     stall_timeout_s: float = 10.0  # owed audio, none for this long: the replica is hung
     target_pace: float = 1.0  # audio per second of waiting a stream needs from its replica (the worker's target)
-    # The most audio a replica decodes a stream ahead of its listener at target_pace while it decodes rows other
-    # streams need (0: no bound; the header's listener_ahead_s): replicas sharing cores or a GPU spend nothing on
+    # The most audio a replica decodes a stream ahead of its listener at target_pace while another of its streams
+    # needs its next row (0: no bound; the header's listener_ahead_s): replicas sharing cores or a GPU spend nothing on
     # streams far ahead while others fall behind.
     listener_ahead_s: float = 0.0
     keepalive_s: float = 10.0  # ping each connection this often (server accepts >= 5 s)...
@@ -418,7 +418,7 @@ class CodecStream:
 
     def _owed_since(self) -> float:
         """When the replica began to owe the audio waited for: the stall clock, or, while the listener still has more
-        than listener_ahead_s to play, the moment it gets within it (a replica decoding rows others need holds the
+        than listener_ahead_s to play, the moment it gets within it (a replica where others need rows holds the
         row until then; one that sends it sooner was never waited for)."""
         runs_out = self._listener.runs_out_at
         if runs_out is None or not self._config.listener_ahead_s:
