@@ -106,6 +106,7 @@ class _Stream:
         # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
         # what was sent is the next row's due time; until the first audio, the stream's arrival.
         self.due = time.perf_counter()
+        self.needed_at = -math.inf  # when it last had a row it needed (needs_row) decoding
 
     def sent(self, samples: int) -> None:
         """`samples` went out now."""
@@ -118,8 +119,8 @@ class _Stream:
         return max(0.0, self.due - time.perf_counter()) * self.session.settings.listener_pace
 
     def hold_s(self) -> float:
-        """How long the next row may wait while other streams need theirs (OpenStreams): until the listener is within
-        `listener_ahead_s` of running out (0: now, and always before the first audio or with no bound)."""
+        """How long the next row may wait while other streams need theirs (OpenStreams.busy_s): until the listener is
+        within `listener_ahead_s` of running out (0: now, and always before the first audio or with no bound)."""
         settings = self.session.settings
         if not settings.listener_ahead_s or not self.session.started:
             return 0.0
@@ -148,18 +149,18 @@ class _Stream:
 
 
 class OpenStreams:
-    """A replica's streams being decoded, and which of them need their next row now (_Stream.needs_row). A stream
-    further ahead of its listener than its bound waits while another needs its row, and decodes ahead while none does.
-    On shared cores (or a shared GPU) a replica that decoded every stream as far ahead as its frames went ended the
-    streams it favoured sooner, and round robin piled the others on it (27 streams against 16, issue 43's run 46); held
-    only while rows others needed were being decoded, the cores' slack between them still went to streams far ahead, and
-    at 3x 19 % of the streams ran fast and 35 past the buffer (run 50; held always, 5 % and none, run 47). A stream
-    waiting for frames counts: the engine shares the cores. Alone, a stream decodes as fast as it can: a body read
-    whole (a client that does not stream) ends as soon as it is decoded."""
+    """A replica's streams being decoded, and whether any needs its next row (_Stream.needs_row). A stream further
+    ahead of its listener than its bound waits while another needs its row or did within the stream's bound in time
+    (bound over pace: 4.8 s at 0.105x, 0.48 s at 1.05x), and decodes ahead once none has for that long. On shared
+    cores (or a shared GPU) a replica that decoded every stream as far ahead as its frames went ended the streams it
+    favoured sooner, and round robin piled the others on it (27 streams against 16, issue 43's run 46). Held only while
+    another needed its row at that moment, each lull let every held stream decode a row far ahead: at 3x 19-24 % of
+    the streams ran fast and 35-37 past the buffer (runs 50-51; held always, 5 % and none, run 47). Alone, or once
+    the others are quiet, a stream decodes as fast as it can: a body read whole (a client that does not stream) ends
+    as soon as it is decoded, not at its listener's pace."""
 
     def __init__(self) -> None:
         self._streams: set[_Stream] = set()
-        self._changed = asyncio.Event()  # set, and replaced, when a stream got audio it needed, or left
 
     @contextlib.contextmanager
     def decoding(self, stream: _Stream) -> Iterator[None]:
@@ -168,25 +169,20 @@ class OpenStreams:
             yield
         finally:
             self._streams.discard(stream)
-            self.changed()
 
-    def changed(self) -> None:
-        """A stream got audio it needed, or left: a held stream looks again."""
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    def others_need(self, stream: _Stream) -> bool:
-        """Whether another stream needs its next row now."""
-        return any(other is not stream and other.needs_row() for other in self._streams)
-
-    async def wait(self, stream: _Stream, timeout_s: float) -> None:
-        """Until a stream got audio or left, `stream`'s reader fails, or `timeout_s` passes (it needs its row)."""
-        waits = [asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(stream.failed.wait())]
-        try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
+    def busy_s(self, stream: _Stream) -> float:
+        """How long `stream` yields yet (0: not at all): its bound's time at its pace if another stream needs its next
+        row now, else what is left of that time since another last did."""
+        settings = stream.session.settings
+        quiet_s = settings.listener_ahead_s / settings.listener_pace
+        now = time.perf_counter()
+        busy_s = 0.0
+        for other in self._streams:
+            if other is not stream:
+                if other.needs_row():
+                    return quiet_s
+                busy_s = max(busy_s, other.needed_at + quiet_s - now)
+        return busy_s
 
 
 async def _next_request(requests) -> codec_pb2.DecodeRequest | None:
@@ -289,10 +285,11 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                     invalid = isinstance(stream.error, InvalidFrames)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL,
                                         str(stream.error))
-                if (hold := stream.hold_s()) > 0 and self.streams.others_need(stream):
+                if (hold := stream.hold_s()) > 0 and (busy := self.streams.busy_s(stream)) > 0:
                     self._metrics.held_streams.inc()
                     try:
-                        await self.streams.wait(stream, hold)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stream.failed.wait(), min(hold, busy))
                     finally:
                         self._metrics.held_streams.dec()
                     continue
@@ -307,6 +304,8 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                 stream.read.set()
                 needed = stream.needs_row()
                 submitted = time.perf_counter()
+                if needed:
+                    stream.needed_at = submitted
                 try:
                     pcm = await self._batcher.submit(row, stream.due)
                 except Exception as exc:
@@ -316,8 +315,8 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                 emission = session.take(row, pcm)
                 if emission is not None:
                     stream.sent(len(emission.pcm))
-                    if needed:  # other streams may be held for it
-                        self.streams.changed()
+                    if needed:
+                        stream.needed_at = time.perf_counter()
                     yield emission
 
     @staticmethod

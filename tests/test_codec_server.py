@@ -21,7 +21,7 @@ from codec_contract.client import END_REQUEST, channel, decode, frames_request, 
 from codec_contract.audio import FRAME_SAMPLES
 from snac_server.metrics import SnacMetrics
 from snac_server.server import build_runner, build_server
-from snac_server.service import ROW_FRAMES_FLOOR, _Stream
+from snac_server.service import ROW_FRAMES_FLOOR, OpenStreams, _Stream
 from snac_server.session import SessionSettings
 
 
@@ -401,9 +401,9 @@ async def test_a_stream_ahead_of_its_listener_decodes_ahead_while_no_other_strea
 
 
 async def test_a_held_stream_decodes_ahead_once_no_other_stream_needs_a_row(snac_server, stub):
-    """Held (listener at 0.1x: its first row's 1.2 s of audio last 12 s) while another stream waits for its first
-    audio; that stream leaves after 1 s, and the held one's body ends as soon as the rest is decoded, not as its
-    listener nears it (its second row would wait about 9 s)."""
+    """Held (listener at 0.1x with a bound of 0.1 s: its first row's 1.2 s of audio last 12 s, its second row would wait
+    11 s) while another stream waits for its first audio; that stream leaves after 1 s, and within the bound's time
+    (1 s at 0.1x) the held one's body ends as soon as the rest is decoded."""
     other = _waiting_for_first_audio()
 
     async def leave_after_1_s():
@@ -412,7 +412,29 @@ async def test_a_held_stream_decodes_ahead_once_no_other_stream_needs_a_row(snac
 
     leaving = asyncio.create_task(leave_after_1_s())
     await asyncio.sleep(0)  # registered before the stream opens
-    chunks, arrivals = await _decode_timed(stub, random_frames(48, seed=5), listener_pace=0.1, listener_ahead_s=0.3)
+    chunks, arrivals = await _decode_timed(stub, random_frames(48, seed=5), listener_pace=0.1, listener_ahead_s=0.1)
     await leaving
     assert len(chunks) > 1
     assert arrivals[-1] - arrivals[0] < 5.0
+
+
+def test_a_stream_yields_while_another_needs_a_row_and_for_its_bounds_time_after(monkeypatch):
+    """busy_s: the bound's time at the stream's pace (0.5 s at 0.1x: 5 s) while another stream needs its next row, what
+    is left of it since another last had one decoding, and nothing for a stream alone."""
+    clock = [100.0]
+    monkeypatch.setattr("snac_server.service.time.perf_counter", lambda: clock[0])
+    settings = SessionSettings(1, "streaming", listener_pace=0.1, listener_ahead_s=0.5)
+    held = _Stream(SimpleNamespace(settings=settings, started=True, drained=False), 0)
+    other_session = SimpleNamespace(settings=settings, started=False, drained=False)
+    other = _Stream(other_session, 0)
+    streams = OpenStreams()
+    with streams.decoding(held):
+        assert streams.busy_s(held) == 0.0
+        with streams.decoding(other):
+            assert streams.busy_s(held) == pytest.approx(5.0)  # before its first audio
+            other_session.started = True
+            other.sent(48000)  # 20 s of listening at 0.1x: it needs nothing now
+            other.needed_at = 98.0
+            assert streams.busy_s(held) == pytest.approx(3.0)
+            clock[0] = 104.0
+            assert streams.busy_s(held) == 0.0
