@@ -79,13 +79,14 @@ class LlmServerConfig(TlsSettings):
     # Owed audio none for this long: the replica is hung and the stream resumes on another. Unset: 10 s on a GPU,
     # slowed as the target pace is (100 s on a CPU, whose codec serves in slow motion by design, not hung).
     codec_stall_timeout_s: float | None = Field(None, gt=0)
-    # The most audio a replica decodes a stream ahead of its listener at the target pace while another of its streams
-    # needs its next row, or did within this bound's time (0: as far as it can, always; snac_server.service.OpenStreams). Replicas share a GPU (or, on a
-    # CPU, the cores) and round robin opens as many streams on each, not as many open: one decoding its streams at
-    # twice the target while its sibling's fell behind ended its streams sooner and got fewer (issue 43, run 46's 3x
-    # level: streams at 0.21-0.29 against others at 0.09-0.10 where 0.1 was needed, 17 of them past the buffer; 27
-    # streams against 16 on a pinned level of 44; held always at 0.5, run 47: none past it). With nothing else needed
-    # a replica decodes ahead: held always, a body read whole (a file, the tests) ended no sooner than the target pace.
+    # The most audio a replica decodes a stream ahead of its listener at the target pace while another of its
+    # streams needs its next row, or did within this bound's time (0: as far as it can, always;
+    # snac_server.service.OpenStreams). Replicas share a GPU (or, on a CPU, the cores) and round robin opens as many
+    # streams on each, not as many open: one decoding its streams at twice the target while its sibling's fell behind
+    # ended its streams sooner and got fewer (issue 43, run 46's 3x level: streams at 0.21-0.29 against others at
+    # 0.09-0.10 where 0.1 was needed, 17 of them past the buffer; 27 streams against 16 on a pinned level of 44; held
+    # always at 0.5, run 47: none past it). With no other stream in need a replica decodes ahead: held always, a body
+    # read whole (a file, the tests) ended no sooner than the target pace.
     codec_listener_ahead_s: float = Field(0.5, ge=0)
     # TLS to the codec tier: a CA file turns it on; cert+key add a client certificate.
     codec_tls_ca: str = ""
