@@ -155,9 +155,11 @@ class OpenStreams:
     cores (or a shared GPU) a replica that decoded every stream as far ahead as its frames went ended the streams it
     favoured sooner, and round robin piled the others on it (27 streams against 16, issue 43's run 46). Held only while
     another needed its row at that moment, each lull let every held stream decode a row far ahead: at 3x 19-24 % of
-    the streams ran fast and 35-37 past the buffer (runs 50-51; held always, 5 % and none, run 47). Alone, or once
-    the others are quiet, a stream decodes as fast as it can: a body read whole (a client that does not stream) ends
-    as soon as it is decoded, not at its listener's pace."""
+    the streams ran fast and 35-37 past the buffer (runs 50-51; held always, 5 % and none, run 47). With the bound's
+    time, held streams reach their bounds and need rows themselves: two streams or more on a replica are paced at
+    their listeners, as held always (run 52: 5-6 % fast, none past the buffer at 3x). Alone, or once the others are
+    quiet, a stream decodes as fast as it can: a body read whole (a client that does not stream) ends as soon as it
+    is decoded, not at its listener's pace."""
 
     def __init__(self) -> None:
         self._streams: set[_Stream] = set()
