@@ -106,7 +106,7 @@ class _Stream:
         # The listener plays from the first audio at its pace (a stream's gap restarts it): when it runs out of
         # what was sent is the next row's due time; until the first audio, the stream's arrival.
         self.due = time.perf_counter()
-        self.needed_at = -math.inf  # when it last had a row it needed (needs_row) decoding
+        self.needed_at = -math.inf  # when it last got the audio of a row it needed (needs_row)
 
     def sent(self, samples: int) -> None:
         """`samples` went out now."""
@@ -304,10 +304,8 @@ class CodecService(codec_pb2_grpc.SnacCodecServicer):
                     await stream.changed.wait()
                     continue
                 stream.read.set()
-                needed = stream.needs_row()
+                needed = stream.needs_row()  # while it decodes, needs_row says so to the others; after, needed_at
                 submitted = time.perf_counter()
-                if needed:
-                    stream.needed_at = submitted
                 try:
                     pcm = await self._batcher.submit(row, stream.due)
                 except Exception as exc:

@@ -40,6 +40,17 @@ def random_frames(n: int, seed: int) -> np.ndarray:
     return frames
 
 
+def waiting_for_first_audio():
+    """A codec stream on a replica waiting for its first audio (its frames yet to come) for as long as it is
+    registered (`service.streams.decoding(...)`): the replica's other streams past their bound are held meanwhile."""
+    from types import SimpleNamespace
+
+    from snac_server.service import _Stream
+    from snac_server.session import SessionSettings
+
+    return _Stream(SimpleNamespace(settings=SessionSettings(2, "streaming"), started=False, drained=False), 0)
+
+
 def server_config(**overrides) -> SnacServerConfig:
     """Loopback, ephemeral ports, CPU, random weights of the small test codec: a config every test machine
     can run. What these servers are tested for (batching, sessions, resumes, bad input, the LLM tier

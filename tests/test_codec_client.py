@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import pytest_asyncio
 
-from conftest import random_frames, server_config
+from conftest import random_frames, server_config, waiting_for_first_audio
 from llm_server.speech.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
 from llm_server.config import LlmServerConfig
 from llm_server.runtime import codec_client_config
 from megapod.launcher import free_ports
 from codec_contract.api import codec_pb2
 from snac_server.server import build_server
-from snac_server.service import _Stream
-from snac_server.session import SessionSettings
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -93,8 +90,7 @@ async def test_a_replica_holding_a_stream_near_its_listener_is_not_counted_slow(
         started = loop.time()
         with contextlib.ExitStack() as others_need_rows:
             for replica in replicas:  # another stream on each, waiting for its first audio the whole time
-                waiting = SimpleNamespace(settings=SessionSettings(2, "streaming"), started=False, drained=False)
-                others_need_rows.enter_context(replica.service.streams.decoding(_Stream(waiting, 0)))
+                others_need_rows.enter_context(replica.service.streams.decoding(waiting_for_first_audio()))
             audio, chunks, _ = await _run(client, frames, seed=3)
         took = loop.time() - started
         reference, _, _ = await _run(_client(replicas), frames, seed=3)

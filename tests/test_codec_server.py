@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import random_frames, running_codec_server, server_config
+from conftest import random_frames, running_codec_server, server_config, waiting_for_first_audio
 from codec_contract.api import codec_pb2, codec_pb2_grpc
 from codec_contract.client import END_REQUEST, channel, decode, frames_request, header_request, paced_requests
 from codec_contract.audio import FRAME_SAMPLES
@@ -339,24 +339,10 @@ def test_a_stream_needs_its_row_before_its_first_audio_and_within_its_bound(monk
     assert not streams[0].needs_row()
 
 
-async def _decode_timed(stub, frames, **header) -> tuple[list, list[float]]:
-    """One stream of all `frames` at once: its chunks and when each arrived (loop time)."""
-    async def requests():
-        yield header_request(12, **header)
-        yield frames_request(frames)
-        yield END_REQUEST
-
-    loop = asyncio.get_running_loop()
-    chunks, arrivals = [], []
-    async for chunk in stub.Decode(requests()):
-        chunks.append(chunk)
-        arrivals.append(loop.time())
-    return chunks, arrivals
-
-
-def _waiting_for_first_audio() -> _Stream:
-    """Another stream on the replica, waiting for its first audio (its frames yet to come) the whole time."""
-    return _Stream(SimpleNamespace(settings=SessionSettings(2, "streaming"), started=False, drained=False), 0)
+async def _decode_at_once(stub, frames, **header):
+    """One stream of all `frames` in one message: its chunks and when each arrived (loop time)."""
+    decoded = await _decode(stub, frames, seed=12, per_message=len(frames), **header)
+    return decoded.chunks, decoded.arrivals
 
 
 async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_nears_them_while_others_need_theirs(
@@ -375,8 +361,8 @@ async def test_a_stream_ahead_of_its_listener_gets_its_rows_as_the_listener_near
 
     watcher = asyncio.create_task(watch())
     try:
-        with snac_server.service.streams.decoding(_waiting_for_first_audio()):
-            chunks, arrivals = await _decode_timed(stub, frames, listener_pace=1.0, listener_ahead_s=0.3)
+        with snac_server.service.streams.decoding(waiting_for_first_audio()):
+            chunks, arrivals = await _decode_at_once(stub, frames, listener_pace=1.0, listener_ahead_s=0.3)
     finally:
         watcher.cancel()
     played = np.cumsum([0] + [len(c.pcm) // 4 for c in chunks]) / 24000  # audio sent before each chunk
@@ -394,7 +380,7 @@ async def test_a_stream_ahead_of_its_listener_decodes_ahead_while_no_other_strea
     """The same stream with nothing else needed: its listener at 0.1x would play its 2.7 s of audio for 27 s, and its
     body ends as soon as it is decoded (a client reading it whole waits for the decoding, not the listener)."""
     frames = random_frames(32, seed=4)
-    chunks, arrivals = await _decode_timed(stub, frames, listener_pace=0.1, listener_ahead_s=0.3)
+    chunks, arrivals = await _decode_at_once(stub, frames, listener_pace=0.1, listener_ahead_s=0.3)
     audio_s = sum(len(c.pcm) // 4 for c in chunks) / 24000
     assert audio_s == pytest.approx(32 * 2048 / 24000, abs=0.2)
     assert arrivals[-1] - arrivals[0] < audio_s / 0.1 - 0.3 / 0.1 - 10.0  # held, the last chunk came >= 24 s after the first
@@ -404,7 +390,7 @@ async def test_a_held_stream_decodes_ahead_once_no_other_stream_needs_a_row(snac
     """Held (listener at 0.1x with a bound of 0.1 s: its first row's 1.2 s of audio last 12 s, its second row would wait
     11 s) while another stream waits for its first audio; that stream leaves after 1 s, and within the bound's time
     (1 s at 0.1x) the held one's body ends as soon as the rest is decoded."""
-    other = _waiting_for_first_audio()
+    other = waiting_for_first_audio()
 
     async def leave_after_1_s():
         with snac_server.service.streams.decoding(other):
@@ -412,7 +398,7 @@ async def test_a_held_stream_decodes_ahead_once_no_other_stream_needs_a_row(snac
 
     leaving = asyncio.create_task(leave_after_1_s())
     await asyncio.sleep(0)  # registered before the stream opens
-    chunks, arrivals = await _decode_timed(stub, random_frames(48, seed=5), listener_pace=0.1, listener_ahead_s=0.1)
+    chunks, arrivals = await _decode_at_once(stub, random_frames(48, seed=5), listener_pace=0.1, listener_ahead_s=0.1)
     await leaving
     assert len(chunks) > 1
     assert arrivals[-1] - arrivals[0] < 5.0
