@@ -15,6 +15,9 @@ gets `CLOSE_REPLY_BYTES` after the server's close to answer with its own (a well
 past that it is no longer read. A client whose close reply comes behind more than that (one read that crosses the
 bound, or a backlog from before the close) is treated as the flooder it looks like: it still gets our close frame
 and its code, then the end of our side, and uvicorn's close timer ends the connection.
+
+A server's drain asks every connection to shut down; one whose client is closing (its close answered, the
+transport not yet gone: TLS waits for its close_notify exchange) is only let go, not sent a second close.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,15 @@ class FairWebSocketProtocol(WebSocketsSansIOProtocol):
         self._held = False  # reading paused here for the bytes held
         self._after_close = 0  # bytes that arrived after the server's close frame went out
         self._dropped = False  # the peer sent on after our close: not read again
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown sends a close (1012) on any connection whose handshake completed and has not sent one:
+        on one the client is closing, websockets refuses (InvalidState), and the exception ended the server's drain."""
+        if self.handshake_complete and not self.close_sent and self.conn.state in (State.CLOSING, State.CLOSED):
+            self.stop_keepalive()
+            self.transport.close()
+            return
+        super().shutdown()
 
     def data_received(self, data: bytes) -> None:
         if self._dropped:  # reading is paused: nothing after the drop is parsed

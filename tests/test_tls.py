@@ -19,9 +19,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, serving, settled, ws_url
+from served import FRAME_BYTES, NOTHING_HELD, ScriptedEngineDouble, baseline, serve_app, serving, settled, ws_url
 from test_codec_tls import Authority, _replace
 from websockets.asyncio.client import connect
+from websockets.client import ClientProtocol
+from websockets.protocol import State
+from websockets.uri import parse_uri
 
 from llm_server.config import LlmServerConfig
 from megapod.doors import DOORS
@@ -200,3 +203,35 @@ async def test_megapod_say_speaks_through_every_door_over_tls_trusting_ssl_cert_
             out = io.BytesIO()
             await asyncio.to_thread(say_through, door, served.url, "Hello there.", "leo", out, "pcm", None, None)
             assert len(out.getvalue()) == FRAMES * FRAME_BYTES, door
+
+
+async def wait_for_disconnect(scope, receive, send) -> None:
+    """A socket app that accepts, then waits for its client to leave."""
+    assert (await receive())["type"] == "websocket.connect"
+    await send({"type": "websocket.accept"})
+    while (await receive())["type"] != "websocket.disconnect":
+        pass
+
+
+async def test_a_server_stopped_while_a_wss_client_closes_drains_normally(tmp_path):
+    """SIGTERM while a client's close is under way: its close frame is answered, but a TLS connection ends only
+    after its own close_notify exchange, so it is still among the server's connections when the drain asks each to
+    shut down. uvicorn's shutdown sent a second close on it (websockets' InvalidState), which ended the drain with
+    that exception, every other connection left unclosed (seen in `make test`, test above, at its server's end)."""
+    made = ensure_local_tls(tmp_path / "tls")
+    tls = {"ssl_certfile": str(made.certfile), "ssl_keyfile": str(made.keyfile)}
+    async with serve_app(wait_for_disconnect, **tls) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=trusting(made.ca),
+                                                       server_hostname="localhost")
+        client = ClientProtocol(parse_uri(f"wss://localhost:{port}/"))
+        client.send_request(client.connect())
+        writer.write(b"".join(client.data_to_send()))
+        while client.state is not State.OPEN:
+            client.receive_data(await asyncio.wait_for(reader.read(65536), 30))
+        client.send_close(1000)
+        writer.write(b"".join(client.data_to_send()))
+        while client.close_rcvd is None:  # the server answered; its TLS close waits for ours, which we hold
+            client.receive_data(await asyncio.wait_for(reader.read(65536), 30))
+    # serve_app's end stopped the server (its drain) with the connection still open: it raised before the fix
+    assert client.close_rcvd.code == 1000
+    writer.close()
