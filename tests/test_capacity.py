@@ -400,6 +400,28 @@ async def test_a_wait_past_its_deadline_is_refused_holding_nothing():
     assert await admission.enter(wait_s=0) == CAPACITY, "no wait asked: refused at once"
 
 
+async def test_a_refused_request_is_told_when_a_slot_is_expected_for_it():
+    """Told only the queue's wait, the 2x overload's refused clients knocked 9.5 times a second and took 6 % of the
+    codec replicas' cores from the streams admitted (issue 43, run 52): a slot is expected once one freed for each
+    request queued and one for its own, the limit's worth freeing per stream's life."""
+    admission = _admission(4)
+    assert admission.expected_wait_s() is None, "no stream has ended: nothing to expect by"
+    for _ in range(4):
+        assert admission.admit() is None
+    admission.release(held_s=30.0)
+    admission.release(held_s=50.0)
+    admission.release()  # handed a slot, its client gone before a stream: no life to count
+    assert admission.admit() is None and admission.admit() is None and admission.admit() is None
+    assert admission.expected_wait_s() == pytest.approx(40.0 / 4), "alone: a slot every 10 s, the first is its own"
+    waiting = [asyncio.create_task(admission.enter(wait_s=30)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert admission.queued == 3
+    assert admission.expected_wait_s() == pytest.approx(4 * 40.0 / 4), "three ahead of it, then its own"
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
 async def test_the_queue_is_no_longer_than_the_limit_and_waiting_counts_against_a_key():
     admission = _admission(2)
     admission.limit.codec_failover()  # a cut (2 -> 1): past the slow start, where a burst queues up to the ceiling

@@ -119,10 +119,10 @@ async def test_the_front_sends_streams_where_capacity_is_free():
 
 
 
-async def test_the_fronts_refusal_asks_for_the_longest_wait_its_workers_asked_for():
-    """Every worker refused: the front's 429 carries the longest Retry-After of theirs (each is its own queue's wait,
-    3 s on a CPU), not a fixed 1 s that brings a refused client back to the same queues sooner; a value that is not
-    whole seconds is left out."""
+async def test_the_fronts_refusal_asks_for_the_soonest_wait_its_workers_asked_for():
+    """Every worker refused: the front's 429 carries the shortest Retry-After of theirs (each is when that worker
+    expects a slot for it, at least its queue's wait: 3 s on a CPU), not a fixed 1 s that brings a refused client back
+    to the same queues sooner; a value that is not whole seconds is left out."""
     def refusing(retry_after: str) -> FastAPI:
         app = FastAPI()
 
@@ -132,11 +132,11 @@ async def test_the_fronts_refusal_asks_for_the_longest_wait_its_workers_asked_fo
                             {CAPACITY_FREE: "0", "Retry-After": retry_after}, media_type="application/json")
         return app
 
-    async with serve_app(refusing("3")) as a, serve_app(refusing("5")) as b, serve_app(refusing("soon")) as c:
+    async with serve_app(refusing("5")) as a, serve_app(refusing("3")) as b, serve_app(refusing("soon")) as c:
         front = create_front_app([f"http://127.0.0.1:{port}" for port in (a, b, c)])
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://front") as client:
             refused = await client.post("/v1/audio/speech", json=body())
-    assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
 
 
 async def test_refusals_reuse_the_front_s_connection_to_the_worker():

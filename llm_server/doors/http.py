@@ -110,12 +110,18 @@ def retries_of(request: Request) -> int:
     return whole_number(request.headers.get(RETRY_COUNT)) or 0
 
 
+# The openai SDK (3.63) waits as long as a 429's Retry-After says up to 120 s, and past that does not retry at all.
+RETRY_AFTER_MAX_S = 60.0
+
+
 def refused_error(exc: Refused, queue_s: float) -> ApiError:
-    """A 429 whose Retry-After is the worker's queue wait `queue_s` (whole seconds, 1 at least): a retry sooner meets
-    the same queue. On a CPU's slow motion that is 3 s, not 1: at 1 s the 3x overload's refused clients asked 29 times a
-    second, and the clients' and the front's share of the two cores went 0.15 -> 0.34 from 2x to 3x while the codec
-    replicas' went 1.22 -> 1.04 (issue 43, run 34)."""
-    return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(queue_s)))})
+    """A 429 whose Retry-After (whole seconds, 1 at least) is when the worker expects a slot for it
+    (exc.expected_wait_s, AdmissionController.expected_wait_s), within RETRY_AFTER_MAX_S, and at least its queue wait
+    `queue_s`: a retry sooner meets the same queue. On a CPU's slow motion that is 3 s, not 1: at 1 s the 3x overload's
+    refused clients asked 29 times a second, and the clients' and the front's share of the two cores went 0.15 -> 0.34
+    from 2x to 3x while the codec replicas' went 1.22 -> 1.04 (issue 43, run 34)."""
+    wait_s = max(queue_s, min(exc.expected_wait_s or 0.0, RETRY_AFTER_MAX_S))
+    return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 
 async def text_body(request: Request, field: str) -> dict:
