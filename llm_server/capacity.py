@@ -15,7 +15,7 @@ window it moves the limit by the ratio of the measured pace to the target pace,
 
 growing only while the limit is in use (the admitted streams reached it), shrinking to at most half, and only
 once the pace falls below real time (the target less its margin, TARGET_MARGIN); a window's pace below it cuts only
-if the last few windows' is too (PACE_SPAN_S).
+if the last few windows' is too (PACE_SPAN_S), and a listener shows it (a stream waited past half its allowance).
 Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
 cold start the capacity is a few windows away) until the limit is first cut or a burst fits under the streams the
 pace measured room for, then one stream at a time,
@@ -401,6 +401,12 @@ class CapacityLimit:
         pace = window.pace if self.enough(window.stream_s, window.tokens) else None
         limit, reason = self.limit, None
         self.pace = pace
+        # A pace below real time cuts only once a listener shows it (not settled), where the listeners are judged at all
+        # (not the doctor's settled_limit, nor listener_lag_s 0): a replica runs its streams up to listener_ahead_s ahead
+        # of their listeners, so an engine behind for a while is no stream behind yet. Over 9.5 s spans the CPU engine
+        # read 0.09-0.10 at 40-46 streams while the codec tier had twice the room it needed and no listener had waited
+        # past 0.125 s: six cuts (49 -> 40, 44 -> 37), and the warm search held at 42 against 51 pinned (issue 43, run 53).
+        shown = heard is None or not heard.allowed_s or not heard.settled
         heard = heard or ListenerWindow()
         self._quiet_s = 0.0 if heard.waiting_lag_s > 0 else self._quiet_s + window.elapsed_s
         self._grown_queued = False
@@ -412,7 +418,7 @@ class CapacityLimit:
         if pace is not None:
             self._paced.append(window)
             slow = max(pace, self._span_pace())
-        if slow is not None and slow < self.realtime_pace:
+        if slow is not None and slow < self.realtime_pace and shown:
             # Behind real time: the limit those streams would keep at the target.
             limit, reason = min(limit, max(limit / 2, window.mean_decoding * slow / self.target_pace)), SLOW
         elif heard.behind_since_cut:

@@ -236,6 +236,23 @@ def test_a_window_slow_by_itself_cuts_nothing_while_the_span_before_it_kept_the_
     assert 36 * 0.09 / 0.105 < cuts[-1], "by the span's pace, milder than the window's"
 
 
+def test_a_pace_below_real_time_cuts_only_once_a_listener_shows_it():
+    """Issue 43, run 53: over 9.5 s spans the CPU engine read 0.09-0.10 while no listener had waited past 0.125 s and
+    the codec tier had twice the room it needed; six cuts held the warm search at 42 against 51 pinned. A replica runs
+    its streams ahead of their listeners: the pace cuts once a listener waits past half its allowance (or falls
+    behind), and alone where the listeners are not judged."""
+    quiet, waiting = ListenerWindow(waiting_lag_s=LISTENER_LAG_S / 2), ListenerWindow(waiting_lag_s=LISTENER_LAG_S * 0.6)
+    limit = CapacityLimit(initial=40, floor=1, ceiling=64, target_pace=0.105)
+    for _ in range(12):
+        limit.update(_at_pace(40, 0.09), peak_admitted=40, admitted=40, heard=quiet)
+        assert (limit.limit, limit.reason) == (40, None), "below real time, every listener within half its allowance"
+    limit.update(_at_pace(40, 0.09), peak_admitted=40, admitted=40, heard=waiting)
+    assert limit.reason == SLOW and limit.limit == pytest.approx(40 * 0.09 / 0.105, rel=1e-2)
+    unjudged = CapacityLimit(initial=40, floor=1, ceiling=64, target_pace=0.105)
+    unjudged.update(_at_pace(40, 0.09), peak_admitted=40, admitted=40, heard=ListenerWindow(allowed_s=0.0))
+    assert unjudged.reason == SLOW, "listener_lag_s 0: the pace alone judges"
+
+
 def test_every_move_of_the_limit_says_why_and_the_deeper_cut_names_it():
     fast, slow = step_ms_curve(1.0, 0.0), step_ms_curve(100.0, 10.0)
     limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)

@@ -125,13 +125,18 @@ async def test_admission_cap_refuses_fast_with_retry_after(stack):
     assert active == 0, f"{active} stream(s) still held 30 s after their clients left"
 
 
-def test_a_refusals_retry_after_is_when_a_slot_is_expected():
-    """When the worker expects a slot for it (AdmissionController.expected_wait_s), in whole seconds, at least the
-    queue's wait and at most 60 s (the openai SDK gives up on a wait past 120 s)."""
-    def retry_after(expected_s: float | None, by_key: bool = False) -> str:
-        return refused_error(Refused("at the limit", by_key, expected_s), queue_s=3.0).headers["Retry-After"]
+def test_a_refusals_retry_after_is_drawn_between_the_queues_wait_and_when_a_slot_is_expected():
+    """Between the queue's wait and when the worker expects a slot for it (AdmissionController.expected_wait_s, at
+    most 60 s: the openai SDK gives up on a wait past 120 s), in whole seconds: clients refused together and told one
+    time came back together, and slots freed meanwhile went to clients asking again at once (issue 43, run 53)."""
+    def bounds(expected_s: float | None, queue_s: float = 3.0) -> tuple[float, float]:
+        drawn = []
+        refused_error(Refused("at the limit", False, expected_s), queue_s, lambda a, b: drawn.append((a, b)) or b)
+        return drawn[0]
 
-    assert [retry_after(None), retry_after(1.2), retry_after(7.2), retry_after(500.0)] == ["3", "3", "8", "60"]
+    assert [bounds(None), bounds(1.2), bounds(7.2), bounds(500.0)] == [(3, 3), (3, 3), (3, 7.2), (3, 60)]
+    told = {refused_error(Refused("at the limit", False, 40.0), 3.0).headers["Retry-After"] for _ in range(200)}
+    assert len(told) > 10 and all(3 <= int(s) <= 40 for s in told), told
     assert refused_error(Refused("at the limit", False, None), queue_s=0.2).headers["Retry-After"] == "1"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -114,13 +115,20 @@ def retries_of(request: Request) -> int:
 RETRY_AFTER_MAX_S = 60.0
 
 
-def refused_error(exc: Refused, queue_s: float) -> ApiError:
-    """A 429 whose Retry-After (whole seconds, 1 at least) is when the worker expects a slot for it
-    (exc.expected_wait_s, AdmissionController.expected_wait_s), within RETRY_AFTER_MAX_S, and at least its queue wait
-    `queue_s`: a retry sooner meets the same queue. On a CPU's slow motion that is 3 s, not 1: at 1 s the 3x overload's
-    refused clients asked 29 times a second, and the clients' and the front's share of the two cores went 0.15 -> 0.34
-    from 2x to 3x while the codec replicas' went 1.22 -> 1.04 (issue 43, run 34)."""
-    wait_s = max(queue_s, min(exc.expected_wait_s or 0.0, RETRY_AFTER_MAX_S))
+def refused_error(exc: Refused, queue_s: float, draw: Callable[[float, float], float] = random.uniform) -> ApiError:
+    """A 429 whose Retry-After (whole seconds, 1 at least) is drawn between the worker's queue wait `queue_s` (a retry
+    sooner meets the same queue) and when it expects a slot for the request (exc.expected_wait_s,
+    AdmissionController.expected_wait_s; at most RETRY_AFTER_MAX_S).
+
+    Told only the queue's wait (3 s on a CPU), the refused clients of a 2x overload knocked 9.5 times a second and took 6 %
+    of the codec replicas' cores from the streams admitted (issue 43, run 52); at 1 s, 29 a second at 3x (run 34). Told
+    the expected wait itself, clients refused together came back together: a slot that freed while they slept went to a
+    client asking again at once as its stream ended, and 18 % of the 2x level's clients had no audio in time (run 53; 37 %
+    in run 27 at a fixed 10 s). Drawn between the two, refused clients come back spread out, one of them waits in the
+    queue at most moments a slot frees, and they knock a third less at 2x and half as often at 3x
+    (benchmarks/retry_after_model.py)."""
+    expected_s = max(queue_s, min(exc.expected_wait_s or 0.0, RETRY_AFTER_MAX_S))
+    wait_s = draw(queue_s, expected_s)
     return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 
