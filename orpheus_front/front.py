@@ -358,7 +358,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         headers = {"content-type": request.headers.get("content-type", "application/json"), **_passed(request)}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        at_limit, retry_after = False, None  # a refusal's Retry-After: the soonest a refusing worker expects a slot
+        at_limit, retry_after = False, None  # a refusal's Retry-After: the first refusing worker's (_whole_seconds)
         timed_out: list[str] = []  # workers whose connect timed out: tried again after the others
         for url, timeout in _attempts(pool.order(requested_voice(request.url.path, body)), timed_out):
             if not pool.acquire(url):
@@ -378,7 +378,7 @@ def create_front_app(worker_urls: Sequence[str] = (), workers_dns: str = "", ref
                 raise
             routed.labels(url, str(upstream.status_code)).inc()
             if upstream.status_code == 429:
-                at_limit, retry_after = True, _sooner_retry(retry_after, upstream.headers.get("retry-after"))
+                at_limit, retry_after = True, retry_after or _whole_seconds(upstream.headers.get("retry-after"))
                 pool.release(url)  # before the await: a cancellation there must not keep the slot
                 pool.report(url, upstream.headers.get(CAPACITY_FREE),  # after: the refused stream is not held
                             loaded=upstream.headers.get(LOADED_VOICES))
@@ -504,11 +504,12 @@ async def _forward(client: httpx.AsyncClient, pool: WorkerPool, request: Request
     return error_response(503, "no worker reachable")
 
 
-def _sooner_retry(current: str | None, offered: str | None) -> str | None:
-    """The sooner of two Retry-After values in whole seconds (a worker's that is not one is left out): each is when
-    that worker expects a slot for the request (at least its queue's wait), and a retry is routed to the most free."""
-    seconds = whole_number(offered)
-    return str(seconds) if seconds is not None and (current is None or seconds < int(current)) else current
+def _whole_seconds(retry_after: str | None) -> str | None:
+    """A worker's Retry-After if it is whole seconds. The front passes on the first refusing worker's: the most free,
+    the one whose queue the request waited in. Each worker's is a draw between its queue's wait and when it expects a
+    slot (llm_server/doors/http.py, refused_error), and the soonest or the longest of several would undo the spread."""
+    seconds = whole_number(retry_after)
+    return None if seconds is None else str(seconds)
 
 
 async def _discard(refusal: httpx.Response) -> None:
