@@ -404,8 +404,8 @@ class CapacityLimit:
         # A pace below real time cuts only once a listener shows it (not settled), where the listeners are judged at all
         # (not the doctor's settled_limit, nor listener_lag_s 0): a replica runs its streams up to listener_ahead_s ahead
         # of their listeners, so an engine behind for a while is no stream behind yet. Over 9.5 s spans the CPU engine
-        # read 0.09-0.10 at 40-46 streams while the codec tier had twice the room it needed and no listener had waited
-        # past 0.125 s: six cuts (49 -> 40, 44 -> 37), and the warm search held at 42 against 51 pinned (issue 43, run 53).
+        # read 0.09-0.10 at 40-46 streams while the codec tier delivered owed audio at 2.0-2.2x the target and no listener
+        # had waited past 0.125 s: six cuts (49 -> 40, 44 -> 37), the warm search held at 42 against 51 pinned (run 53).
         shown = heard is None or not heard.allowed_s or not heard.settled
         heard = heard or ListenerWindow()
         self._quiet_s = 0.0 if heard.waiting_lag_s > 0 else self._quiet_s + window.elapsed_s

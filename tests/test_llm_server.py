@@ -131,13 +131,13 @@ def test_a_refusals_retry_after_is_drawn_between_the_queues_wait_and_when_a_slot
     time came back together, and slots freed meanwhile went to clients asking again at once (issue 43, run 53)."""
     def bounds(expected_s: float | None, queue_s: float = 3.0) -> tuple[float, float]:
         drawn = []
-        refused_error(Refused("at the limit", False, expected_s), queue_s, lambda a, b: drawn.append((a, b)) or b)
+        refused_error(Refused("at the limit", False), queue_s, expected_s, lambda a, b: drawn.append((a, b)) or b)
         return drawn[0]
 
     assert [bounds(None), bounds(1.2), bounds(7.2), bounds(500.0)] == [(3, 3), (3, 3), (3, 7.2), (3, 60)]
-    told = {refused_error(Refused("at the limit", False, 40.0), 3.0).headers["Retry-After"] for _ in range(200)}
+    told = {refused_error(Refused("at the limit", False), 3.0, 40.0).headers["Retry-After"] for _ in range(200)}
     assert len(told) > 10 and all(3 <= int(s) <= 40 for s in told), told
-    assert refused_error(Refused("at the limit", False, None), queue_s=0.2).headers["Retry-After"] == "1"
+    assert refused_error(Refused("at the limit", False), queue_s=0.2).headers["Retry-After"] == "1"
 
 
 def test_client_disconnect_aborts_the_engine_request(stack):

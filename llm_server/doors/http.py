@@ -77,7 +77,9 @@ async def open_session(request: Request, spec: SpeechSpec, name: str) -> SpeechS
     try:
         return await opening
     except Refused as exc:
-        raise refused_error(exc, request.app.state.runtime.config.resolved_admission_queue_s) from None
+        runtime = request.app.state.runtime
+        expected_s = None if exc.by_key else runtime.admission.expected_wait_s()
+        raise refused_error(exc, runtime.config.resolved_admission_queue_s, expected_s) from None
 
 
 async def _abandon(opening: asyncio.Future[SpeechSession]) -> None:
@@ -115,10 +117,11 @@ def retries_of(request: Request) -> int:
 RETRY_AFTER_MAX_S = 60.0
 
 
-def refused_error(exc: Refused, queue_s: float, draw: Callable[[float, float], float] = random.uniform) -> ApiError:
+def refused_error(exc: Refused, queue_s: float, expected_s: float | None = None,
+                  draw: Callable[[float, float], float] = random.uniform) -> ApiError:
     """A 429 whose Retry-After (whole seconds, 1 at least) is drawn between the worker's queue wait `queue_s` (a retry
-    sooner meets the same queue) and when it expects a slot for the request (exc.expected_wait_s,
-    AdmissionController.expected_wait_s; at most RETRY_AFTER_MAX_S).
+    sooner meets the same queue) and `expected_s`, when it expects a slot for the request
+    (AdmissionController.expected_wait_s; None: not known; at most RETRY_AFTER_MAX_S).
 
     Told only the queue's wait (3 s on a CPU), the refused clients of a 2x overload knocked 9.5 times a second and took 6 %
     of the codec replicas' cores from the streams admitted (issue 43, run 52); at 1 s, 29 a second at 3x (run 34). Told
@@ -127,8 +130,7 @@ def refused_error(exc: Refused, queue_s: float, draw: Callable[[float, float], f
     in run 27 at a fixed 10 s). Drawn between the two, refused clients come back spread out, one of them waits in the
     queue at most moments a slot frees, and they knock a third less at 2x and half as often at 3x
     (benchmarks/retry_after_model.py)."""
-    expected_s = max(queue_s, min(exc.expected_wait_s or 0.0, RETRY_AFTER_MAX_S))
-    wait_s = draw(queue_s, expected_s)
+    wait_s = draw(queue_s, max(queue_s, min(expected_s or 0.0, RETRY_AFTER_MAX_S)))
     return ApiError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 

@@ -34,10 +34,9 @@ __all__ = ["Audio", "ClientTooSlow", "PromptTooLong", "Refused", "SegmentEnd", "
 class Refused(Exception):
     """A stream cap is reached (the worker's or the key's), and no slot freed within the wait asked for."""
 
-    def __init__(self, message: str, by_key: bool, expected_wait_s: float | None = None) -> None:
+    def __init__(self, message: str, by_key: bool) -> None:
         super().__init__(message)
         self.by_key = by_key
-        self.expected_wait_s = expected_wait_s  # when the worker expects a slot for it (None: not known)
 
 
 class ClientTooSlow(Exception):
@@ -144,8 +143,7 @@ class SpeechSession:
             if key is not None:
                 runtime.metrics.key_requests.labels(key.name, "refused_key" if by_key else "refused").inc()
             who, cap = (f"API key {key.name!r}", key.max_streams) if by_key else ("server", runtime.admission.max_streams)
-            raise Refused(f"{who} is at its limit of {cap} concurrent streams; retry shortly", by_key,
-                          None if by_key else runtime.admission.expected_wait_s())
+            raise Refused(f"{who} is at its limit of {cap} concurrent streams; retry shortly", by_key)
         return cls(runtime, spec, key, request_id)
 
     # -- text in --------------------------------------------------------------------------------------
