@@ -15,6 +15,7 @@ Never more streams than the limit: slowing every stream to fit one more breaks a
 per START_RAMP_S (below): a burst waits in the same queue. An API key name may have a cap of its own, on top of
 the worker's (its waiting requests count against it). A request refused is told when a slot may be expected for it
 (expected_wait_s, its Retry-After): a knock sooner is refused again, and takes its share of the cores from the streams.
+While requests are refused, the limit's reserve is held back (hold_reserve, REFUSING_S; 0 unless configured).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 
-from .capacity import CapacityLimit, Listeners, ListenerWindow, PaceMeter, Window
+from .capacity import RESERVE, CapacityLimit, Listeners, ListenerWindow, PaceMeter, Window
 
 CAPACITY = "capacity"
 KEY = "key"
@@ -46,6 +48,14 @@ START_BURST = 0.25
 # against 1.52 in the warm levels before, and 15 streams admitted at the limit the warm search had found (51, against
 # 52 kept pinned) ran past the buffer, the slowest 3 % below real time (issue 43, run 52).
 RELEASES_SEEN = 32
+# A refusal holds the limit's reserve back (CapacityLimit.reserve, llm_server's refusal_reserve) for this much audio time
+# at the target pace (9.5 s at a CPU's 0.105x, 0.95 s at a GPU's 1.05x): an overload refuses requests every few tenths
+# of a second, a level ended or a burst gone refuses none. Where the refused requests knock on the streams' own cores
+# (megapod up with no GPU), the limit found without them is too many with them: over issue 43's run 55 the codec
+# replicas had 1.49-1.51 cores on the pinned levels at the capacity, 1.46 at 2x it (4 refusals a second) and 1.42 at
+# 3x (9 a second: the front's and the benchmark client's work of each), and at 3x three streams admitted at the
+# limit the 2x level had left (42 of 43 kept pinned) ran past the buffer.
+REFUSING_S = 1.0
 
 
 class AdmissionController:
@@ -69,6 +79,7 @@ class AdmissionController:
         self._starts_at = clock()  # when the bucket was last filled
         self._paced: asyncio.TimerHandle | None = None  # the hand-out waiting for the bucket
         self._lives: deque[float] = deque(maxlen=RELEASES_SEEN)  # how long the last streams held their slots
+        self._refused_at = -math.inf  # when a request was last refused for capacity (REFUSING_S)
 
     @property
     def queued(self) -> int:
@@ -105,7 +116,7 @@ class AdmissionController:
         refused = self.admit(key, key_limit, paced=wait_s > 0)  # no queue to pace a burst in: only the limit
         room = max(self.limit.streams, self.limit.ceiling - self.active) if self.limit.slow_start else self.limit.streams
         if refused != CAPACITY or wait_s <= 0 or len(self._queue) >= room:
-            return refused
+            return self._counted(refused)
         slot = asyncio.get_running_loop().create_future()
         bisect.insort(self._queue, (-max(0, retries), next(self._arrivals), slot))
         self._count_key(key, +1)
@@ -118,7 +129,24 @@ class AdmissionController:
         if slot.done():
             return None
         self._leave(slot, key)
-        return CAPACITY
+        return self._counted(CAPACITY)
+
+    def _counted(self, refused: str | None) -> str | None:
+        """`refused`, noted if it is a refusal for capacity (hold_reserve)."""
+        if refused == CAPACITY:
+            self._refused_at = self._clock()
+        return refused
+
+    def hold_reserve(self, now: float) -> bool:
+        """Hold the limit's reserve back if a request was refused for capacity within REFUSING_S, else give it back
+        (the waiting first); whether that changed the streams admitted."""
+        before = self.limit.streams
+        self.limit.refusing = now - self._refused_at <= REFUSING_S / self.limit.target_pace
+        if self.limit.streams == before:
+            return False
+        self.limit.reason = RESERVE
+        self._hand_out()
+        return True
 
     def release(self, key: str | None = None, held_s: float | None = None) -> None:
         """Give back a slot taken by admit() or enter() with the same key (`held_s`: how long its stream held it):

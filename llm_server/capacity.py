@@ -33,7 +33,8 @@ owed at CODEC_ROOM x the target pace (a codec near its capacity shows before its
 a stream below the streams admitted when it was last cut (a settled window a stream: a warm worker cut by an
 overload admits a level it kept before within a queue's wait). A codec stream failing over (a replica refusing,
 stalling or gone) cuts it by CODEC_BACKOFF. Either cut holds growth for HOLD_WINDOWS. The limit stays within
-[floor, ceiling].
+[floor, ceiling]. While requests are being refused, a reserve of it is held back (admission.py, REFUSING_S): where the
+refusals run on the streams' cores, they take from the streams what the limit was found with.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ SLOW = "pace_below_realtime"  # the streams decoding got less than real time (th
 GROWTH = "growth"  # the limit was in use and the pace had room for more
 CODEC_FAILOVER = "codec_failover"  # a codec stream failed over (a replica refused, stalled or went away)
 LISTENER_BEHIND = "listener_behind"  # a stream's listener at the target pace waited past LISTENER_LAG_S
-REASONS = (SLOW, GROWTH, CODEC_FAILOVER, LISTENER_BEHIND)
+RESERVE = "refusal_reserve"  # requests were refused lately, or no longer: the reserve held back, or given back
+REASONS = (SLOW, GROWTH, CODEC_FAILOVER, LISTENER_BEHIND, RESERVE)
 CODEC_BACKOFF = 0.9
 # The target pace is TARGET_MARGIN over real time (1.05 on a GPU, 0.105 in a CPU's slow motion: 5 % ahead): the room a
 # stream is admitted into, what growth needs, and the pace each stream's listener plays at (Listeners: the margin
@@ -286,10 +288,17 @@ class Listeners:
 class CapacityLimit:
     """The number of streams admitted at once, moved each window by the pace the engine kept."""
 
-    def __init__(self, initial: float, floor: int, ceiling: int, target_pace: float) -> None:
+    def __init__(self, initial: float, floor: int, ceiling: int, target_pace: float, reserve: float = 0.0) -> None:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
+        if not 0.0 <= reserve < 1.0:
+            raise ValueError(f"need 0 <= reserve ({reserve}) < 1")
         self.floor, self.ceiling, self.target_pace = floor, ceiling, target_pace
+        # The share of the limit held back while requests are refused (`refusing`, set by admission), where the refusals
+        # take their cores from the streams' (llm_server's refusal_reserve; 0: never). Not in the slow start: a cold
+        # worker's first burst is no overload.
+        self.reserve = reserve
+        self.refusing = False
         self.realtime_pace = target_pace / TARGET_MARGIN  # the engine's pace below it cuts the limit
         self._window_stream_s = WINDOW_TOKENS / (target_pace * REALTIME_TOKENS_PER_S)  # a window's least decoding
         self.limit = float(min(max(initial, floor), ceiling))
@@ -310,8 +319,13 @@ class CapacityLimit:
 
     @property
     def streams(self) -> int:
-        """The whole streams the limit admits."""
-        return int(self.limit)
+        """The whole streams the limit admits (its reserve held back while requests are refused)."""
+        return max(self.floor, int(self.limit * self._admitted_share + 1e-9))
+
+    @property
+    def _admitted_share(self) -> float:
+        """The share of the limit admitted: all of it, but its reserve while requests are refused."""
+        return 1.0 - self.reserve if self.refusing and not self.slow_start else 1.0
 
     @property
     def slow_start(self) -> bool:
@@ -426,7 +440,7 @@ class CapacityLimit:
             # Only streams admitted since the last cut count: those admitted before it that fall behind later were
             # admitted past it (a cut each ran a level's limit from 28 to 18 while its streams ended, benchmark run
             # 13); if the limit is still too high, the streams it admits next fall behind.
-            cut = max(limit / 2, min(limit, peak_admitted) * LISTENER_BACKOFF)
+            cut = max(limit / 2, min(limit, peak_admitted / self._admitted_share) * LISTENER_BACKOFF)
             if cut < limit:
                 limit, reason = cut, LISTENER_BEHIND
         elif (pace is not None and peak_admitted >= self.streams >= admitted and not self._hold
@@ -443,7 +457,7 @@ class CapacityLimit:
         before, self.limit = self.limit, min(max(limit, float(self.floor)), float(self.ceiling))
         self.reason = reason if self.limit != before else None
         if self.limit < before:  # trouble found the capacity: from here on, growth is careful
-            self._quiet_s, self._cut_from = 0.0, min(before, float(peak_admitted))
+            self._quiet_s, self._cut_from = 0.0, min(before, peak_admitted / self._admitted_share)
         elif (self.slow_start and self._reached and pace is not None and self.limit == before
               and peak_admitted < int(before)):
             # The slow start grew to what the pace keeps and a burst fit under it: the capacity is found (a slow start

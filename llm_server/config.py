@@ -113,6 +113,10 @@ class LlmServerConfig(TlsSettings):
     # An admitted stream whose listener at the target pace (no playout buffer) waited this many audio seconds in all
     # is behind: the limit is cut and does not grow while listeners wait (capacity.Listeners); 0: not judged.
     listener_lag_s: float = Field(LISTENER_LAG_S, ge=0)
+    # The share of the limit held back while requests are being refused (admission.py, REFUSING_S): where refused
+    # requests take their cores from the streams' (`megapod up` with no GPU sets it; on a GPU node they run on the host's
+    # cores, the streams on the GPU: 0).
+    refusal_reserve: float = Field(0.0, ge=0, lt=0.5)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536

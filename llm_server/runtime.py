@@ -117,7 +117,8 @@ class Runtime:
         voices_dir = VoicesDirectory(config.voices_dir) if config.voices_dir else None
         metrics = LlmMetrics(engine.num_unfinished)
         metrics.describe_engine(engine.describe())
-        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace)
+        limit = CapacityLimit(config.initial_streams, config.stream_floor, config.stream_ceiling, config.resolved_target_pace,
+                              config.refusal_reserve)
         admission = AdmissionController(limit, PaceMeter(time.monotonic()), Listeners(config.listener_lag_s))
         metrics.capacity.set_function(lambda: admission.max_streams)
         metrics.capacity_used.set_function(lambda: admission.active / admission.max_streams)
@@ -162,6 +163,9 @@ class Runtime:
                     failovers += now.failovers - counted.failovers
                 counted = now
                 before = self.admission.max_streams
+                if self.admission.hold_reserve(time.monotonic()):
+                    self._reserve_moved(before)
+                    before = self.admission.max_streams
                 window = self.admission.end_window(time.monotonic())
                 if window is not None:
                     self.metrics.streams_behind.inc(self.admission.heard.behind)
@@ -183,6 +187,15 @@ class Runtime:
         if self.admission.queued and self.admission.limit.slow_start:
             return max(0.01, min(self.config.capacity_window_s, self.config.resolved_admission_queue_s / 10))
         return self.config.capacity_window_s
+
+    def _reserve_moved(self, before: int) -> None:
+        """Count and log the limit's reserve held back (requests refused) or given back."""
+        limit = self.admission.limit
+        self.metrics.limit_changes.labels(limit.reason).inc()
+        log.info("admission limit %d -> %d streams: %s (%s: %.0f %% of the limit %s, %d admitted, %d requests waiting)",
+                 before, limit.streams, limit.reason, "requests refused" if limit.refusing else "none refused lately",
+                 100 * limit.reserve, "held back" if limit.refusing else "given back", self.admission.active,
+                 self.admission.queued)
 
     def _limit_moved(self, before: int, window, failovers: int) -> None:
         """Count and log why the limit moved, with the figures it moved by."""

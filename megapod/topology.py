@@ -87,6 +87,10 @@ class MegaPodConfig(TlsSettings):
     # owed now (issue 43, run 37: over the first 5 s of pinned levels of 34-37 streams, 8-10 s of audio generated a second,
     # 1.4-2.0 decoded).
     cpu_engine_nice: int = Field(5, ge=0, le=19)
+    # With no GPU, the share of each worker's limit held back while it refuses requests (llm_server's refusal_reserve):
+    # the refusals' work (the front's, the worker's, a client's on the same machine) takes the codec's cores. Over issue
+    # 43's run 55 the codec replicas had 2 % fewer cores at 2x the capacity than at it, 5 % fewer at 3x.
+    cpu_refusal_reserve: float = Field(0.05, ge=0, lt=0.5)
     # The voices directory every worker reads (LoRA adapters, clones made through POST /v1/voices): one for all,
     # so a voice made through one worker is every worker's. The chart's is a volume of its own.
     voices_dir: Annotated[str, Sets(llm="voices_dir", chart=())] = os.path.join(
@@ -154,6 +158,6 @@ class MegaPodConfig(TlsSettings):
 
     def worker_flags(self, i: int, on_cpu: bool = False) -> list[str]:
         """llm-server flags of worker i (`on_cpu`: both tiers share this machine's cores)."""
-        nice = {"engine_nice": self.cpu_engine_nice} if on_cpu and self.cpu_engine_nice else {}
+        shared = {"engine_nice": self.cpu_engine_nice, "refusal_reserve": self.cpu_refusal_reserve} if on_cpu else {}
         return as_flags({"host": self.host, "port": self.worker_ports()[i], "snac": self.snac_addresses(),
-                         **self.tier_settings("llm"), **nice})
+                         **self.tier_settings("llm"), **{k: v for k, v in shared.items() if v}})

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from llm_server.admission import CAPACITY, KEY, START_RAMP_S, AdmissionController
+from llm_server.admission import CAPACITY, KEY, REFUSING_S, START_RAMP_S, AdmissionController
 from llm_server.capacity import (
     CODEC_FAILOVER,
     CODEC_ROOM,
@@ -22,6 +22,7 @@ from llm_server.capacity import (
     LISTENER_LAG_S,
     LISTENER_QUIET_S,
     REALTIME_TOKENS_PER_S,
+    RESERVE,
     SLOW,
     TARGET_MARGIN,
     WINDOW_TOKENS,
@@ -830,3 +831,116 @@ async def test_past_the_slow_start_a_burst_starts_at_the_limits_worth_per_ramp_i
     unqueued = _admission(20)
     unqueued.limit.update(window_at(20, FAST), 20, 20, BEHIND)
     assert all([await unqueued.enter(wait_s=0) is None for _ in range(18)]), "no queue to pace in: only the limit"
+
+
+# -- the reserve while requests are refused (issue 43, run 55: refusals took the codec's cores) ----------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _reserving(initial: int, clock: Clock, reserve: float = 0.05) -> AdmissionController:
+    limit = CapacityLimit(initial=initial, floor=1, ceiling=64, target_pace=TARGET, reserve=reserve)
+    return AdmissionController(limit, PaceMeter(0.0), clock=clock)
+
+
+async def test_while_requests_are_refused_the_limit_holds_its_reserve_back_and_then_gives_it_back():
+    """Over issue 43's run 55 the 3x level's refusals (9 a second, on the cores the codec replicas share) left the codec
+    5 % fewer cores than the pinned levels at the capacity had, and streams admitted at the limit ran past the buffer.
+    A refusal holds 5 % of the limit back for REFUSING_S of audio time; the streams over it end on their own."""
+    clock = Clock()
+    admission = _reserving(44, clock)
+    admission.limit.update(window_at(44, FAST), 44, 44, BEHIND)  # a cut, 44 -> 39.6: past the slow start
+    assert admission.max_streams == 39
+    for _ in range(39):
+        assert admission.admit(paced=False) is None
+    assert not admission.hold_reserve(clock()), "nothing refused yet"
+    assert await admission.enter(wait_s=0) == CAPACITY
+    assert admission.hold_reserve(clock()) and admission.limit.reason == RESERVE
+    assert admission.max_streams == int(39.6 * 0.95) == 37 and admission.active == 39 and admission.free == 0
+    admission.release()
+    assert admission.admit(paced=False) == CAPACITY, "38 admitted: over the 37 the reserve leaves"
+    waiting = asyncio.create_task(admission.enter(wait_s=60))
+    await asyncio.sleep(0)
+    clock.now += 0.9 * REFUSING_S / TARGET
+    assert not admission.hold_reserve(clock()) and not waiting.done(), "refused within REFUSING_S: still held back"
+    clock.now += 0.2 * REFUSING_S / TARGET
+    assert admission.hold_reserve(clock()) and admission.max_streams == 39
+    assert admission.active == 39 and await waiting is None, "given back: the waiting first"
+
+
+async def test_no_reserve_unless_configured_nor_in_the_slow_start():
+    clock = Clock()
+    unreserved = _reserving(44, clock, reserve=0.0)
+    unreserved.limit.update(window_at(44, FAST), 44, 44, BEHIND)
+    cold = _reserving(44, clock)
+    for admission in (unreserved, cold):
+        before = admission.max_streams
+        for _ in range(before):
+            assert admission.admit(paced=False) is None
+        assert await admission.enter(wait_s=0) == CAPACITY
+        assert not admission.hold_reserve(clock()) and admission.max_streams == before
+    assert cold.limit.slow_start, "a cold worker's first burst is no overload"
+    with pytest.raises(ValueError, match="reserve"):
+        CapacityLimit(initial=4, floor=1, ceiling=64, target_pace=TARGET, reserve=1.0)
+
+
+def test_a_cut_while_the_reserve_is_held_back_is_a_cut_of_the_limit_not_of_the_streams_admitted():
+    """With 37 of a limit of 39.6 admitted (the reserve held back), a stream behind cuts a tenth of the 39 the 37 were
+    of, as without the reserve: a tenth of the 37, and the reserve again, would take 15 % off."""
+    limit = CapacityLimit(initial=44, floor=1, ceiling=64, target_pace=TARGET, reserve=0.05)
+    limit.update(window_at(44, FAST), 44, 44, BEHIND)
+    limit.refusing = True
+    assert limit.streams == 37
+    for _ in range(HOLD_WINDOWS):  # a cut's hold: no growth
+        limit.update(window_at(37, FAST), 37, 37)
+    assert limit.limit == pytest.approx(39.6)
+    limit.update(window_at(37, FAST), 37, 37, BEHIND)
+    assert limit.limit == pytest.approx(37 / 0.95 * 0.9) and limit.streams == 33
+
+
+async def test_the_worker_logs_and_counts_its_reserve_held_back_and_given_back(caplog, monkeypatch):
+    """Runtime.watch_capacity: a refusal holds the reserve back at the next look, with a log line and a count under
+    orpheus_capacity_limit_changes_total{reason="refusal_reserve"}; REFUSING_S later it is given back the same way."""
+    from served import CharTokenizerDouble, ScriptedEngineDouble
+
+    import llm_server.admission
+    from llm_server.config import LlmServerConfig
+    from llm_server.runtime import Runtime, codec_client_config
+    from llm_server.speech.codec_client import CodecClient
+
+    monkeypatch.setattr(llm_server.admission, "REFUSING_S", 1.0 * CPU_TARGET)  # held back for 1 s
+    config = LlmServerConfig(snac="127.0.0.1:9", initial_streams=20, max_streams=64, target_pace=CPU_TARGET,
+                             capacity_window_s=0.05, refusal_reserve=0.05)
+    runtime = Runtime.assemble(config, ScriptedEngineDouble(), CodecClient(codec_client_config(config)),
+                               CharTokenizerDouble())
+    admission, registry = runtime.admission, runtime.metrics.registry
+    admission.limit.update(window_at(20, FAST), 20, 20, BEHIND)  # 20 -> 18: past the slow start
+    for _ in range(18):
+        assert admission.admit(paced=False) is None
+
+    async def until(streams: int) -> None:
+        for _ in range(100):
+            if admission.max_streams == streams:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the limit stayed at {admission.max_streams}, not {streams}")
+
+    watching = asyncio.create_task(runtime.watch_capacity())
+    try:
+        with caplog.at_level(logging.INFO, logger="llm_server.runtime"):
+            assert await admission.enter(wait_s=0) == CAPACITY
+            await until(17)
+            await until(18)
+        moves = registry.get_sample_value("orpheus_capacity_limit_changes_total", {"reason": RESERVE})
+        assert moves == 2
+        lines = [r.getMessage() for r in caplog.records if "refusal_reserve" in r.getMessage()]
+        assert "18 -> 17 streams: refusal_reserve (requests refused: 5 % of the limit held back, 18 admitted" in lines[0]
+        assert "17 -> 18 streams: refusal_reserve (none refused lately: 5 % of the limit given back" in lines[1]
+    finally:
+        watching.cancel()
+        await runtime.codec.close()

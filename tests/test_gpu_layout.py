@@ -74,6 +74,18 @@ def test_with_no_gpu_the_workers_engines_run_below_the_codec_replicas_on_the_sha
     assert _engine_nice(Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=3).workers[0]) is None
 
 
+def test_with_no_gpu_the_workers_hold_a_reserve_of_their_limit_back_while_they_refuse(tmp_path: Path):
+    """Issue 43, run 55: refusals' work on the shared cores took 5 % of the codec's at 3x the capacity."""
+    def reserve(child) -> str | None:
+        argv = child.argv
+        return argv[argv.index("--refusal-reserve") + 1] if "--refusal-reserve" in argv else None
+
+    assert [reserve(w) for w in Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=0).workers] == ["0.05", "0.05"]
+    assert reserve(Launcher(MegaPodConfig(cpu_refusal_reserve=0), tmp_path, gpu_count=0).workers[0]) is None
+    assert reserve(Launcher(MegaPodConfig(llm_device="cpu"), tmp_path, gpu_count=1).workers[0]) is None
+    assert reserve(Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=3).workers[0]) is None
+
+
 def test_workers_on_gpus_with_the_codec_on_cpu():
     layout = plan_gpus(MegaPodConfig(workers=2, snac_device="cpu"), gpu_count=2)
     assert (layout.workers, layout.codec) == ((0, 1), None)
