@@ -15,7 +15,7 @@ Never more streams than the limit: slowing every stream to fit one more breaks a
 per START_RAMP_S (below): a burst waits in the same queue. An API key name may have a cap of its own, on top of
 the worker's (its waiting requests count against it). A request refused is told when a slot may be expected for it
 (expected_wait_s, its Retry-After): a knock sooner is refused again, and takes its share of the cores from the streams.
-While requests are refused, the limit's reserve is held back (hold_reserve, REFUSING_S; 0 unless configured).
+While requests go on being refused, the limit's reserve is held back (hold_reserve, REFUSING_S; 0 unless configured).
 """
 
 from __future__ import annotations
@@ -48,14 +48,17 @@ START_BURST = 0.25
 # against 1.52 in the warm levels before, and 15 streams admitted at the limit the warm search had found (51, against
 # 52 kept pinned) ran past the buffer, the slowest 3 % below real time (issue 43, run 52).
 RELEASES_SEEN = 32
-# A refusal holds the limit's reserve back (CapacityLimit.reserve, llm_server's refusal_reserve) for this much audio time
-# at the target pace (9.5 s at a CPU's 0.105x, 0.95 s at a GPU's 1.05x): an overload refuses requests every few tenths
-# of a second, a level ended or a burst gone refuses none. Where the refused requests knock on the streams' own cores
-# (megapod up with no GPU), the limit found without them is too many with them: over issue 43's run 55 the codec
-# replicas had 1.49-1.51 cores on the pinned levels at the capacity, 1.46 at 2x it (4 refusals a second) and 1.42 at
-# 3x (9 a second: the front's and the benchmark client's work of each), and at 3x three streams admitted at the
-# limit the 2x level had left (42 of 43 kept pinned) ran past the buffer.
+# Refusals that went on for REFUSING_S of audio time at the target pace (9.5 s at a CPU's 0.105x, 0.95 s at a GPU's
+# 1.05x), none REFUSAL_GAP_S apart (the queue's wait: 2.9 s, 0.29 s), are an overload: the limit's reserve is held back
+# (CapacityLimit.reserve, llm_server's refusal_reserve) until a gap ends them. Where the refused requests knock on the
+# streams' own cores (megapod up with no GPU), the limit found without them is too many with them: over issue 43's
+# run 55 the codec replicas had 1.49-1.51 cores on the pinned levels at the capacity, 1.46 at 2x it (4 refusals a
+# second) and 1.42 at 3x (9 a second: the front's and the benchmark client's work of each), and at 3x three streams
+# admitted at the limit the 2x level had left (42 of 43 kept pinned) ran past the buffer. A burst's refusals are no
+# overload: held back for 9.5 s after every refusal, a warm worker's reserve outlived each search level that failed
+# on refusals and refused the next level's burst in turn (run 56: levels of 45-47 streams under a limit of 48).
 REFUSING_S = 1.0
+REFUSAL_GAP_S = 0.3
 
 
 class AdmissionController:
@@ -79,7 +82,8 @@ class AdmissionController:
         self._starts_at = clock()  # when the bucket was last filled
         self._paced: asyncio.TimerHandle | None = None  # the hand-out waiting for the bucket
         self._lives: deque[float] = deque(maxlen=RELEASES_SEEN)  # how long the last streams held their slots
-        self._refused_at = -math.inf  # when a request was last refused for capacity (REFUSING_S)
+        self._refused_at = -math.inf  # when a request was last refused for capacity
+        self._refusing_since = -math.inf  # when the refusals going on since (none REFUSAL_GAP_S apart) began
 
     @property
     def queued(self) -> int:
@@ -134,14 +138,19 @@ class AdmissionController:
     def _counted(self, refused: str | None) -> str | None:
         """`refused`, noted if it is a refusal for capacity (hold_reserve)."""
         if refused == CAPACITY:
-            self._refused_at = self._clock()
+            now = self._clock()
+            if now - self._refused_at > REFUSAL_GAP_S / self.limit.target_pace:
+                self._refusing_since = now
+            self._refused_at = now
         return refused
 
     def hold_reserve(self, now: float) -> bool:
-        """Hold the limit's reserve back if a request was refused for capacity within REFUSING_S, else give it back
-        (the waiting first); whether that changed the streams admitted."""
+        """Hold the limit's reserve back while requests have been refused for capacity for REFUSING_S, none
+        REFUSAL_GAP_S apart, else give it back (to the waiting first); whether that changed the streams admitted."""
         before = self.limit.streams
-        self.limit.refusing = now - self._refused_at <= REFUSING_S / self.limit.target_pace
+        pace = self.limit.target_pace
+        self.limit.refusing = (now - self._refused_at <= REFUSAL_GAP_S / pace
+                               and self._refused_at - self._refusing_since >= REFUSING_S / pace)
         if self.limit.streams == before:
             return False
         self.limit.reason = RESERVE

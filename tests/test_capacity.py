@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from llm_server.admission import CAPACITY, KEY, REFUSING_S, START_RAMP_S, AdmissionController
+from llm_server.admission import CAPACITY, KEY, REFUSAL_GAP_S, REFUSING_S, START_RAMP_S, AdmissionController
 from llm_server.capacity import (
     CODEC_FAILOVER,
     CODEC_ROOM,
@@ -848,10 +848,11 @@ def _reserving(initial: int, clock: Clock, reserve: float = 0.05) -> AdmissionCo
     return AdmissionController(limit, PaceMeter(0.0), clock=clock)
 
 
-async def test_while_requests_are_refused_the_limit_holds_its_reserve_back_and_then_gives_it_back():
+async def test_while_requests_go_on_being_refused_the_limit_holds_its_reserve_back_and_then_gives_it_back():
     """Over issue 43's run 55 the 3x level's refusals (9 a second, on the cores the codec replicas share) left the codec
     5 % fewer cores than the pinned levels at the capacity had, and streams admitted at the limit ran past the buffer.
-    A refusal holds 5 % of the limit back for REFUSING_S of audio time; the streams over it end on their own."""
+    Refusals that went on for REFUSING_S of audio time hold 5 % of the limit back until a gap of REFUSAL_GAP_S; the
+    streams over it end on their own."""
     clock = Clock()
     admission = _reserving(44, clock)
     admission.limit.update(window_at(44, FAST), 44, 44, BEHIND)  # a cut, 44 -> 39.6: past the slow start
@@ -859,6 +860,11 @@ async def test_while_requests_are_refused_the_limit_holds_its_reserve_back_and_t
     for _ in range(39):
         assert admission.admit(paced=False) is None
     assert not admission.hold_reserve(clock()), "nothing refused yet"
+    step = 0.9 * REFUSAL_GAP_S / TARGET
+    for _ in range(math.ceil(REFUSING_S / REFUSAL_GAP_S / 0.9)):
+        assert await admission.enter(wait_s=0) == CAPACITY
+        assert not admission.hold_reserve(clock()), "refusals not yet REFUSING_S long"
+        clock.now += step
     assert await admission.enter(wait_s=0) == CAPACITY
     assert admission.hold_reserve(clock()) and admission.limit.reason == RESERVE
     assert admission.max_streams == int(39.6 * 0.95) == 37 and admission.active == 39 and admission.free == 0
@@ -866,11 +872,29 @@ async def test_while_requests_are_refused_the_limit_holds_its_reserve_back_and_t
     assert admission.admit(paced=False) == CAPACITY, "38 admitted: over the 37 the reserve leaves"
     waiting = asyncio.create_task(admission.enter(wait_s=60))
     await asyncio.sleep(0)
-    clock.now += 0.9 * REFUSING_S / TARGET
-    assert not admission.hold_reserve(clock()) and not waiting.done(), "refused within REFUSING_S: still held back"
-    clock.now += 0.2 * REFUSING_S / TARGET
+    clock.now += step
+    assert not admission.hold_reserve(clock()) and not waiting.done(), "refused within REFUSAL_GAP_S: still held back"
+    clock.now += step
     assert admission.hold_reserve(clock()) and admission.max_streams == 39
-    assert admission.active == 39 and await waiting is None, "given back: the waiting first"
+    assert admission.active == 39 and await waiting is None, "given back: to the waiting first"
+
+
+async def test_a_bursts_refusals_are_no_overload():
+    """Held back for a while after any refusal, a warm worker's reserve outlived each search level that failed on
+    refusals at its start and refused the next level's burst in turn (issue 43, run 56). Refusals a gap apart start
+    over."""
+    clock = Clock()
+    admission = _reserving(44, clock)
+    admission.limit.update(window_at(44, FAST), 44, 44, BEHIND)
+    for _ in range(39):
+        assert admission.admit(paced=False) is None
+    for _ in range(3):  # three bursts of refusals, each shorter than REFUSING_S, a gap apart
+        for _ in range(3):
+            assert await admission.enter(wait_s=0) == CAPACITY
+            assert not admission.hold_reserve(clock())
+            clock.now += 0.25 * REFUSING_S / TARGET
+        clock.now += 1.1 * REFUSAL_GAP_S / TARGET
+    assert admission.max_streams == 39
 
 
 async def test_no_reserve_unless_configured_nor_in_the_slow_start():
@@ -882,7 +906,10 @@ async def test_no_reserve_unless_configured_nor_in_the_slow_start():
         before = admission.max_streams
         for _ in range(before):
             assert admission.admit(paced=False) is None
-        assert await admission.enter(wait_s=0) == CAPACITY
+        refused_at = clock()
+        while clock() - refused_at < 1.5 * REFUSING_S / TARGET:  # an overload's refusals
+            assert await admission.enter(wait_s=0) == CAPACITY
+            clock.now += 0.5 * REFUSAL_GAP_S / TARGET
         assert not admission.hold_reserve(clock()) and admission.max_streams == before
     assert cold.limit.slow_start, "a cold worker's first burst is no overload"
     with pytest.raises(ValueError, match="reserve"):
@@ -905,7 +932,7 @@ def test_a_cut_while_the_reserve_is_held_back_is_a_cut_of_the_limit_not_of_the_s
 
 async def test_the_worker_logs_and_counts_its_reserve_held_back_and_given_back(caplog, monkeypatch):
     """Runtime.watch_capacity: a refusal holds the reserve back at the next look, with a log line and a count under
-    orpheus_capacity_limit_changes_total{reason="refusal_reserve"}; REFUSING_S later it is given back the same way."""
+    orpheus_capacity_limit_changes_total{reason="refusal_reserve"}; REFUSAL_GAP_S later it is given back the same way."""
     from served import CharTokenizerDouble, ScriptedEngineDouble
 
     import llm_server.admission
@@ -913,7 +940,8 @@ async def test_the_worker_logs_and_counts_its_reserve_held_back_and_given_back(c
     from llm_server.runtime import Runtime, codec_client_config
     from llm_server.speech.codec_client import CodecClient
 
-    monkeypatch.setattr(llm_server.admission, "REFUSING_S", 1.0 * CPU_TARGET)  # held back for 1 s
+    monkeypatch.setattr(llm_server.admission, "REFUSING_S", 0.0)  # one refusal is an overload here...
+    monkeypatch.setattr(llm_server.admission, "REFUSAL_GAP_S", 1.0 * CPU_TARGET)  # ...held back for 1 s
     config = LlmServerConfig(snac="127.0.0.1:9", initial_streams=20, max_streams=64, target_pace=CPU_TARGET,
                              capacity_window_s=0.05, refusal_reserve=0.05)
     runtime = Runtime.assemble(config, ScriptedEngineDouble(), CodecClient(codec_client_config(config)),
