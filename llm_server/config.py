@@ -116,7 +116,7 @@ class LlmServerConfig(TlsSettings):
     # The share of the limit held back while requests are being refused (admission.py, REFUSING_S): where refused
     # requests take their cores from the streams' (`megapod up` with no GPU sets it; on a GPU node they run on the host's
     # cores, the streams on the GPU: 0).
-    refusal_reserve: float = Field(0.0, ge=0, lt=0.5)
+    refusal_reserve: float = Field(0.0, ge=0, le=0.5)
     max_input_chars: int = Field(4096, ge=1)
     max_segment_chars: int = Field(280, ge=16)
     max_body_bytes: int = 65536
