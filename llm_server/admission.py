@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from .capacity import RESERVE, CapacityLimit, Listeners, ListenerWindow, PaceMeter, Window
+from .capacity import CapacityLimit, Listeners, ListenerWindow, PaceMeter, Window
 
 CAPACITY = "capacity"
 KEY = "key"
@@ -56,7 +56,7 @@ RELEASES_SEEN = 32
 # second) and 1.42 at 3x (9 a second: the front's and the benchmark client's work of each), and at 3x three streams
 # admitted at the limit the 2x level had left (42 of 43 kept pinned) ran past the buffer. A burst's refusals are no
 # overload: held back for 9.5 s after every refusal, a warm worker's reserve outlived each search level that failed
-# on refusals and refused the next level's burst in turn (run 56: levels of 45-47 streams under a limit of 48).
+# on refusals and refused the next level's burst in turn (run 56: levels of 45-47 streams under a limit of 47).
 REFUSING_S = 1.0
 REFUSAL_GAP_S = 0.3
 
@@ -147,13 +147,10 @@ class AdmissionController:
     def hold_reserve(self, now: float) -> bool:
         """Hold the limit's reserve back while requests have been refused for capacity for REFUSING_S, none
         REFUSAL_GAP_S apart, else give it back (to the waiting first); whether that changed the streams admitted."""
-        before = self.limit.streams
         pace = self.limit.target_pace
-        self.limit.refusing = (now - self._refused_at <= REFUSAL_GAP_S / pace
-                               and self._refused_at - self._refusing_since >= REFUSING_S / pace)
-        if self.limit.streams == before:
+        if not self.limit.hold_reserve(now - self._refused_at <= REFUSAL_GAP_S / pace
+                                       and self._refused_at - self._refusing_since >= REFUSING_S / pace):
             return False
-        self.limit.reason = RESERVE
         self._hand_out()
         return True
 

@@ -320,12 +320,21 @@ class CapacityLimit:
     @property
     def streams(self) -> int:
         """The whole streams the limit admits (its reserve held back while requests are refused)."""
-        return max(self.floor, int(self.limit * self._admitted_share + 1e-9))
+        return max(self.floor, int(self.limit * self._admitted_share))
 
     @property
     def _admitted_share(self) -> float:
         """The share of the limit admitted: all of it, but its reserve while requests are refused."""
         return 1.0 - self.reserve if self.refusing and not self.slow_start else 1.0
+
+    def hold_reserve(self, refusing: bool) -> bool:
+        """Hold the reserve back while requests go on being refused (admission's judgment), else give it back; whether
+        that changed the streams admitted (the reason: RESERVE)."""
+        before, self.refusing = self.streams, refusing
+        if self.streams == before:
+            return False
+        self.reason = RESERVE
+        return True
 
     @property
     def slow_start(self) -> bool:

@@ -921,7 +921,7 @@ def test_a_cut_while_the_reserve_is_held_back_is_a_cut_of_the_limit_not_of_the_s
     of, as without the reserve: a tenth of the 37, and the reserve again, would take 15 % off."""
     limit = CapacityLimit(initial=44, floor=1, ceiling=64, target_pace=TARGET, reserve=0.05)
     limit.update(window_at(44, FAST), 44, 44, BEHIND)
-    limit.refusing = True
+    assert limit.hold_reserve(True)
     assert limit.streams == 37
     for _ in range(HOLD_WINDOWS):  # a cut's hold: no growth
         limit.update(window_at(37, FAST), 37, 37)
