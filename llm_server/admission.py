@@ -65,7 +65,7 @@ class AdmissionController:
     """Counts active streams against the capacity limit (and per key name); not thread-safe (one event loop)."""
 
     def __init__(self, limit: CapacityLimit, meter: PaceMeter, listeners: Listeners | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_reserve: Callable[[int], None] = lambda before: None) -> None:
         self.limit = limit
         self.meter = meter
         # The admitted streams, as their listeners at the target pace hear them (capacity.Listeners).
@@ -84,6 +84,7 @@ class AdmissionController:
         self._lives: deque[float] = deque(maxlen=RELEASES_SEEN)  # how long the last streams held their slots
         self._refused_at = -math.inf  # when a request was last refused for capacity
         self._refusing_since = -math.inf  # when the refusals going on since (none REFUSAL_GAP_S apart) began
+        self.on_reserve = on_reserve  # told the streams admitted before the reserve was held or given back (a log line)
 
     @property
     def queued(self) -> int:
@@ -119,8 +120,10 @@ class AdmissionController:
         before (`retries`); None when admitted, else which limit refused."""
         refused = self.admit(key, key_limit, paced=wait_s > 0)  # no queue to pace a burst in: only the limit
         room = max(self.limit.streams, self.limit.ceiling - self.active) if self.limit.slow_start else self.limit.streams
-        if refused != CAPACITY or wait_s <= 0 or len(self._queue) >= room:
+        if refused != CAPACITY or wait_s <= 0:
             return self._counted(refused)
+        if len(self._queue) >= room:
+            return self._counted(refused, queue_full=True)
         slot = asyncio.get_running_loop().create_future()
         bisect.insort(self._queue, (-max(0, retries), next(self._arrivals), slot))
         self._count_key(key, +1)
@@ -135,22 +138,29 @@ class AdmissionController:
         self._leave(slot, key)
         return self._counted(CAPACITY)
 
-    def _counted(self, refused: str | None) -> str | None:
-        """`refused`, noted if it is a refusal for capacity (hold_reserve)."""
+    def _counted(self, refused: str | None, queue_full: bool = False) -> str | None:
+        """`refused`, noted if it is a refusal for capacity (hold_reserve); one refused with the queue full (the limit's
+        worth waiting) is an overload from that refusal on, and the reserve is held back at once."""
         if refused == CAPACITY:
             now = self._clock()
             if now - self._refused_at > REFUSAL_GAP_S / self.limit.target_pace:
                 self._refusing_since = now
+            if queue_full:
+                self._refusing_since = -math.inf
             self._refused_at = now
+            if queue_full:
+                self.hold_reserve(now)
         return refused
 
     def hold_reserve(self, now: float) -> bool:
         """Hold the limit's reserve back while requests have been refused for capacity for REFUSING_S, none
-        REFUSAL_GAP_S apart, else give it back (to the waiting first); whether that changed the streams admitted."""
-        pace = self.limit.target_pace
+        REFUSAL_GAP_S apart (or since one was refused with the queue full), else give it back (to the waiting first);
+        whether that changed the streams admitted (told to on_reserve, with the streams admitted before)."""
+        pace, before = self.limit.target_pace, self.limit.streams
         if not self.limit.hold_reserve(now - self._refused_at <= REFUSAL_GAP_S / pace
                                        and self._refused_at - self._refusing_since >= REFUSING_S / pace):
             return False
+        self.on_reserve(before)
         self._hand_out()
         return True
 

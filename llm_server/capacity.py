@@ -67,7 +67,7 @@ CODEC_BACKOFF = 0.9
 # worker's limit was cut four times by paces within 0.100-0.105 over the span while no listener was behind (issue 43,
 # run 41). With the listeners at real time too, admitted streams ran past the buffer at 2x in runs 43-45 (8, 1 and 6;
 # none in runs 39-41 and 46, at the target): the 2x refusals took 3-5 % of the codec's cores (10-11 % at 3x).
-TARGET_MARGIN = 1.05
+TARGET_MARGIN = 1.03
 HOLD_WINDOWS = 5  # after a cut for a failover or a stream behind, the limit does not grow for this many windows
 # A window ends only once its streams got this many tokens (about 24 deliveries of 7), or decoded as long
 # as that takes at the target pace: fewer say too little about the pace, and one delivery more or less would

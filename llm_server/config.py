@@ -17,7 +17,7 @@ from orpheus_common.settings import CommaList
 from orpheus_common.socket_budget import SocketLimits
 from orpheus_common.tls import TlsSettings
 
-from .capacity import LISTENER_LAG_S
+from .capacity import LISTENER_LAG_S, TARGET_MARGIN
 
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI voice names -> the Orpheus voice that stands in for them, so clients work unchanged.
@@ -37,8 +37,8 @@ def parse_aliases(text: str) -> dict[str, str]:
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes (vllm/config/lora.py)
-GPU_TARGET_PACE = 1.05  # streams decode 5% ahead of real time (capacity.TARGET_MARGIN)
-CPU_TARGET_PACE = 0.105  # a tenth of that: slow motion
+GPU_TARGET_PACE = TARGET_MARGIN  # streams decode 3 % ahead of real time
+CPU_TARGET_PACE = GPU_TARGET_PACE / 10  # a tenth of that: slow motion
 ADMISSION_QUEUE_S = 0.3  # the longest wait for a slot at the GPU's target pace (slowed as the target is)
 CODEC_STALL_TIMEOUT_S = 10.0  # owed codec audio none for this long at the GPU's target pace: a hung replica
 

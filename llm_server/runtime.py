@@ -90,6 +90,9 @@ class Runtime:
     voices_dir: VoicesDirectory | None = None  # the operator's own voices (--voices-dir), re-read while serving
     reference_decoder: ReferenceDecoder | None = None  # clone uploads' recordings (clones.py)
 
+    def __post_init__(self) -> None:
+        self.admission.on_reserve = self._reserve_moved  # held back at a refusal too, not only at the capacity tick
+
     @classmethod
     async def start(cls, config: LlmServerConfig) -> Runtime:
         """Resolve the model, start the engine, connect to the codec tier."""
@@ -162,10 +165,8 @@ class Runtime:
                     self.admission.limit.codec_failover()
                     failovers += now.failovers - counted.failovers
                 counted = now
+                self.admission.hold_reserve(time.monotonic())
                 before = self.admission.max_streams
-                if self.admission.hold_reserve(time.monotonic()):
-                    self._reserve_moved(before)
-                    before = self.admission.max_streams
                 window = self.admission.end_window(time.monotonic())
                 if window is not None:
                     self.metrics.streams_behind.inc(self.admission.heard.behind)

@@ -89,8 +89,9 @@ class MegaPodConfig(TlsSettings):
     cpu_engine_nice: int = Field(5, ge=0, le=19)
     # With no GPU, the share of each worker's limit held back while it refuses requests (llm_server's refusal_reserve):
     # the refusals' work (the front's, the worker's, a client's on the same machine) takes the codec's cores. Over issue
-    # 43's run 55 the codec replicas had 2-3 % fewer cores at 2x the capacity than at it, 5 % fewer at 3x.
-    cpu_refusal_reserve: float = Field(0.05, ge=0, le=0.5)
+    # 43's run 55 the codec replicas had 2-3 % fewer cores at 2x the capacity than at it, 5 % fewer at 3x, and held back
+    # only once refusals went on (5 % in run 58), the limit an overload met first ran streams it admitted past the buffer.
+    cpu_refusal_reserve: float = Field(0.10, ge=0, le=0.5)
     # The voices directory every worker reads (LoRA adapters, clones made through POST /v1/voices): one for all,
     # so a voice made through one worker is every worker's. The chart's is a volume of its own.
     voices_dir: Annotated[str, Sets(llm="voices_dir", chart=())] = os.path.join(

@@ -11,7 +11,7 @@ import pytest_asyncio
 
 from conftest import random_frames, server_config, waiting_for_first_audio
 from llm_server.speech.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
-from llm_server.config import LlmServerConfig
+from llm_server.config import CPU_TARGET_PACE, GPU_TARGET_PACE, LlmServerConfig
 from llm_server.runtime import codec_client_config
 from megapod.launcher import free_ports
 from codec_contract.api import codec_pb2
@@ -216,14 +216,14 @@ async def test_a_cancel_ends_a_stream_whose_call_is_still_waiting_for_a_replica(
 
 
 def test_the_stall_timeout_and_the_admission_wait_are_slowed_as_the_target_pace_is():
-    """On a CPU (slow motion, target 0.105) a first chunk takes two decode rounds of seconds each: a 10 s stall
+    """On a CPU (slow motion, target 0.103) a first chunk takes two decode rounds of seconds each: a 10 s stall
     timeout failed healthy replicas over (26 of 39 failovers in an overload run, all at sample 0)."""
-    gpu, cpu = LlmServerConfig(target_pace=1.05), LlmServerConfig(target_pace=0.105)
+    gpu, cpu = LlmServerConfig(target_pace=GPU_TARGET_PACE), LlmServerConfig(target_pace=CPU_TARGET_PACE)
     assert gpu.resolved_codec_stall_timeout_s == pytest.approx(10.0)
     assert cpu.resolved_codec_stall_timeout_s == pytest.approx(100.0)
     assert codec_client_config(cpu).stall_timeout_s == pytest.approx(100.0)
     assert (gpu.resolved_admission_queue_s, cpu.resolved_admission_queue_s) == pytest.approx((0.3, 3.0))
-    assert LlmServerConfig(codec_stall_timeout_s=2.0, target_pace=0.105).resolved_codec_stall_timeout_s == 2.0
+    assert LlmServerConfig(codec_stall_timeout_s=2.0, target_pace=CPU_TARGET_PACE).resolved_codec_stall_timeout_s == 2.0
 
 
 async def test_a_stream_longer_than_the_connections_age_finishes_on_it():

@@ -80,7 +80,7 @@ def test_with_no_gpu_the_workers_hold_a_reserve_of_their_limit_back_while_they_r
         argv = child.argv
         return argv[argv.index("--refusal-reserve") + 1] if "--refusal-reserve" in argv else None
 
-    assert [reserve(w) for w in Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=0).workers] == ["0.05", "0.05"]
+    assert [reserve(w) for w in Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=0).workers] == ["0.1", "0.1"]
     assert reserve(Launcher(MegaPodConfig(cpu_refusal_reserve=0), tmp_path, gpu_count=0).workers[0]) is None
     assert reserve(Launcher(MegaPodConfig(llm_device="cpu"), tmp_path, gpu_count=1).workers[0]) is None
     assert reserve(Launcher(MegaPodConfig(workers=2), tmp_path, gpu_count=3).workers[0]) is None
