@@ -15,7 +15,8 @@ Never more streams than the limit: slowing every stream to fit one more breaks a
 per START_RAMP_S (below): a burst waits in the same queue. An API key name may have a cap of its own, on top of
 the worker's (its waiting requests count against it). A request refused is told when a slot may be expected for it
 (expected_wait_s, its Retry-After): a knock sooner is refused again, and takes its share of the cores from the streams.
-While requests go on being refused, the limit's reserve is held back (hold_reserve, REFUSING_S; 0 unless configured).
+While requests go on being refused, the limit's reserve is held back (hold_reserve, REFUSING_S; 0 unless configured),
+and at once when one is refused with the queue full.
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ START_BURST = 0.25
 # against 1.52 in the warm levels before, and 15 streams admitted at the limit the warm search had found (51, against
 # 52 kept pinned) ran past the buffer, the slowest 3 % below real time (issue 43, run 52).
 RELEASES_SEEN = 32
-# Refusals that went on for REFUSING_S of audio time at the target pace (9.5 s at a CPU's 0.105x, 0.95 s at a GPU's
-# 1.05x), none REFUSAL_GAP_S apart (the queue's wait: 2.9 s, 0.29 s), are an overload: the limit's reserve is held back
+# Refusals that went on for REFUSING_S of audio time at the target pace (9.7 s at a CPU's 0.103x, 0.97 s at a GPU's
+# 1.03x), none REFUSAL_GAP_S apart (the queue's wait: 2.9 s, 0.29 s), are an overload: the limit's reserve is held back
 # (CapacityLimit.reserve, llm_server's refusal_reserve) until a gap ends them. Where the refused requests knock on the
 # streams' own cores (megapod up with no GPU), the limit found without them is too many with them: over issue 43's
 # run 55 the codec replicas had 1.49-1.51 cores on the pinned levels at the capacity, 1.46 at 2x it (4 refusals a
 # second) and 1.42 at 3x (9 a second: the front's and the benchmark client's work of each), and at 3x three streams
 # admitted at the limit the 2x level had left (42 of 43 kept pinned) ran past the buffer. A burst's refusals are no
 # overload: held back for 9.5 s after every refusal, a warm worker's reserve outlived each search level that failed
-# on refusals and refused the next level's burst in turn (run 56: levels of 45-47 streams under a limit of 47).
+# on refusals and refused the next level's burst in turn (run 56: levels of 45-47 streams under a limit of 47). A refusal
+# with the queue full (the limit's worth waiting) is an overload's at once: the 3x level's first cohort was admitted
+# whole at the limit in its first second, and four of its first streams ran past the buffer (run 58).
 REFUSING_S = 1.0
 REFUSAL_GAP_S = 0.3
 

@@ -102,9 +102,9 @@ class LlmServerConfig(TlsSettings):
     max_streams: int | None = Field(None, ge=1)
     min_streams: int = Field(1, ge=1)
     initial_streams: int = Field(4, ge=1)
-    # Unset: 1.05 on a GPU; on a CPU, 0.105 (no CPU keeps even one stream in real time: it is served
+    # Unset: 1.03 on a GPU; on a CPU, 0.103 (no CPU keeps even one stream in real time: it is served
     # in slow motion, the pace benchmarks/concurrency.py --quick judges it by). Growth needs it, and each stream's
-    # listener plays at it; the engine's pace cuts the limit only below it less its 5 % margin (capacity.TARGET_MARGIN).
+    # listener plays at it; the engine's pace cuts the limit only below it less its 3 % margin (capacity.TARGET_MARGIN).
     target_pace: float | None = Field(None, gt=0)
     capacity_window_s: float = Field(1.0, gt=0)
     # Past the limit a request waits this long at most for a slot, first come first served (admission.py), then

@@ -57,7 +57,7 @@ class SnacServerConfig(Settings):
     max_encode_s: float = Field(30.0, gt=0, le=43.0)
     max_connection_age_s: float = 300.0  # clients reconnect, so new replicas get traffic
     # A connection past its age takes no new stream; those still on it get this long to finish before it is cut
-    # (each one cut is a failover). Past the longest stream: one of a CPU's slow motion (target pace 0.105)
+    # (each one cut is a failover). Past the longest stream: one of a CPU's slow motion (target pace 0.103)
     # lasts minutes, and the drain's 15-30 s cut the streams in flight every 300 s (issue 43's admission runs).
     max_connection_age_grace_s: float = Field(900.0, ge=0)
     grace_s: float = 30.0  # SIGTERM: how long in-flight streams may finish

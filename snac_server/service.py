@@ -151,7 +151,7 @@ class _Stream:
 class OpenStreams:
     """A replica's streams being decoded, and whether any needs its next row (_Stream.needs_row). A stream further
     ahead of its listener than its bound waits while another needs its row or did within the stream's bound in time
-    (bound over pace: 4.8 s at 0.105x, 0.48 s at 1.05x), and decodes ahead once none has for that long. On shared
+    (bound over pace: 4.9 s at 0.103x, 0.49 s at 1.03x), and decodes ahead once none has for that long. On shared
     cores (or a shared GPU) a replica that decoded every stream as far ahead as its frames went ended the streams it
     favoured sooner, and round robin piled the others on it (27 streams against 16, issue 43's run 46). Held only while
     another needed its row at that moment, each lull let every held stream decode a row far ahead: at 3x 19-24 % of

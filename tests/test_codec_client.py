@@ -8,13 +8,13 @@ import contextlib
 import numpy as np
 import pytest
 import pytest_asyncio
-
 from conftest import random_frames, server_config, waiting_for_first_audio
-from llm_server.speech.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
+
+from codec_contract.api import codec_pb2
 from llm_server.config import CPU_TARGET_PACE, GPU_TARGET_PACE, LlmServerConfig
 from llm_server.runtime import codec_client_config
+from llm_server.speech.codec_client import CodecClient, CodecClientConfig, CodecError, channel_target
 from megapod.launcher import free_ports
-from codec_contract.api import codec_pb2
 from snac_server.server import build_server
 
 
