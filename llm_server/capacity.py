@@ -15,7 +15,8 @@ window it moves the limit by the ratio of the measured pace to the target pace,
 
 growing only while the limit is in use (the admitted streams reached it), shrinking to at most half, and only
 once the pace falls below real time (the target less its margin, TARGET_MARGIN); a window's pace below it cuts only
-if the last few windows' is too (PACE_SPAN_S), and a listener shows it (a stream waited past half its allowance).
+if the last few windows' is too (PACE_SPAN_S), a listener shows it (a stream waited past half its allowance), and the
+streams past the last cut have ended.
 Growth is a slow start, as TCP's: up to doubling a window (as fast as the measured pace allows, so from a
 cold start the capacity is a few windows away) until the limit is first cut or a burst fits under the streams the
 pace measured room for, then one stream at a time,
@@ -432,6 +433,11 @@ class CapacityLimit:
         # read 0.09-0.10 at 40-46 streams while the codec tier delivered owed audio at 2.0-2.2x the target and no listener
         # had waited past 0.125 s: six cuts (49 -> 40, 44 -> 37), the warm search held at 42 against 51 pinned (run 53).
         shown = heard is None or not heard.allowed_s or not heard.settled
+        # ... and only once the streams past the last decrease ended: their pace is that of the load the limit was already
+        # cut for, and says nothing of the streams it admits now. Over run 60's warm search a level's 52 streams cut it by
+        # their pace three times in 5 s (54 -> 42), the next level's 43 five times (43 -> 37), each cut lowering where the
+        # way back ends: every level of 41-44 after them was refused at its start (warm 37 of 45 kept pinned).
+        over = admitted > self.streams
         heard = heard or ListenerWindow()
         self._quiet_s = 0.0 if heard.waiting_lag_s > 0 else self._quiet_s + window.elapsed_s
         self._grown_queued = False
@@ -443,9 +449,11 @@ class CapacityLimit:
         if pace is not None:
             self._paced.append(window)
             slow = max(pace, self._span_pace())
-        if slow is not None and slow < self.realtime_pace and shown:
-            # Behind real time: the limit those streams would keep at the target.
-            limit, reason = min(limit, max(limit / 2, window.mean_decoding * slow / self.target_pace)), SLOW
+        if slow is not None and slow < self.realtime_pace and shown and not over:
+            # Behind real time: the limit whose streams admitted are those this pace keeps at the target (a pace with
+            # the refusals' work in it: the reserve held back on top would take it twice).
+            kept_slow = window.mean_decoding * slow / self.target_pace / self._admitted_share
+            limit, reason = min(limit, max(limit / 2, kept_slow)), SLOW
         elif heard.behind_since_cut:
             # Streams behind: LISTENER_BACKOFF of the streams the window admitted (the limit, when it was in use).
             # Only streams admitted since the last cut count: those admitted before it that fall behind later were

@@ -254,6 +254,23 @@ def test_a_pace_below_real_time_cuts_only_once_a_listener_shows_it():
     assert unjudged.reason == SLOW, "listener_lag_s 0: the pace alone judges"
 
 
+def test_a_pace_below_real_time_cuts_once_for_the_streams_it_was_cut_for():
+    """Issue 43, run 60: a warm level's 43 streams cut the limit by their pace five times in 6 s (43 -> 37), each cut
+    lowering where the way back ends, and every level of 41-44 after them was refused at its start. While the streams
+    past a cut still run, their pace is that of the load already cut for; once they end, a pace below real time cuts
+    again."""
+    waiting = ListenerWindow(waiting_lag_s=LISTENER_LAG_S * 0.6)
+    limit = CapacityLimit(initial=43, floor=1, ceiling=64, target_pace=0.103)
+    limit.update(_at_pace(43, 0.09), peak_admitted=43, admitted=43, heard=waiting)
+    first = limit.limit
+    assert limit.reason == SLOW and first == pytest.approx(43 * 0.09 / 0.103, rel=1e-2)
+    for pace in (0.085, 0.08, 0.09):  # the same 43 streams, slower still
+        limit.update(_at_pace(43, pace), peak_admitted=43, admitted=43, heard=waiting)
+        assert (limit.limit, limit.reason) == (first, None)
+    limit.update(_at_pace(37, 0.08), peak_admitted=43, admitted=limit.streams, heard=waiting)
+    assert limit.reason == SLOW and limit.limit < first, "the streams admitted under the cut are slow too"
+
+
 def test_every_move_of_the_limit_says_why_and_the_deeper_cut_names_it():
     fast, slow = step_ms_curve(1.0, 0.0), step_ms_curve(100.0, 10.0)
     limit = CapacityLimit(initial=16, floor=1, ceiling=4096, target_pace=TARGET)
@@ -958,6 +975,20 @@ def test_a_cut_while_the_reserve_is_held_back_is_a_cut_of_the_limit_not_of_the_s
     assert limit.limit == pytest.approx(39.6)
     limit.update(window_at(37, FAST), 37, 37, BEHIND)
     assert limit.limit == pytest.approx(37 / 0.95 * 0.9) and limit.streams == 33
+
+
+def test_a_pace_cut_while_the_reserve_is_held_back_admits_the_streams_that_pace_keeps():
+    """A pace measured while requests are refused has the refusals' work in it: the limit it sets is the one whose
+    streams admitted (the reserve held back) are the streams it keeps at the target, not a tenth fewer (issue 43, run
+    59: a 3x level's pace cut, 39 -> 29 streams where the pace kept 32)."""
+    limit = CapacityLimit(initial=44, floor=1, ceiling=64, target_pace=TARGET, reserve=0.1)
+    limit.update(window_at(44, FAST), 44, 44, BEHIND)  # past the slow start: 39.6
+    assert limit.hold_reserve(True) and limit.streams == 35
+    slow = Window(1.0, 35.0, round(35 * 0.95 * REALTIME_TOKENS_PER_S), 35)  # 35 decoding at 0.95
+    limit.update(slow, 35, 35, BEHIND)
+    kept = 35 * 0.95 / TARGET
+    assert limit.reason == SLOW and limit.streams == int(kept) == 32
+    assert limit.limit == pytest.approx(kept / 0.9, rel=1e-3)
 
 
 async def test_the_worker_logs_and_counts_its_reserve_held_back_and_given_back(caplog, monkeypatch):
