@@ -892,8 +892,32 @@ async def test_while_requests_go_on_being_refused_the_limit_holds_its_reserve_ba
     clock.now += step
     assert not admission.hold_reserve(clock()) and not waiting.done(), "refused within REFUSAL_GAP_S: still held back"
     clock.now += step
-    assert admission.hold_reserve(clock()) and admission.max_streams == 39
-    assert admission.active == 39 and await waiting is None, "given back: to the waiting first"
+    assert not admission.hold_reserve(clock()) and not waiting.done(), "none refused lately, but one waits: still on"
+    admission.release()
+    admission.release()
+    assert await waiting is None and admission.active == 37, "under the reserve's limit: to the waiting first"
+    assert admission.hold_reserve(clock()) and admission.max_streams == 39, "none waiting, none refused lately"
+
+
+async def test_the_reserve_is_not_given_back_while_requests_wait():
+    """Issue 43, run 62: given back after a gap in the refusals (the refused clients' retries come in waves) with
+    requests still waiting, the reserve admitted them into the overload that was still on (37 -> 41 streams 90 s into
+    the 2x level), and 17 of the streams admitted then ran past the buffer."""
+    clock = Clock()
+    admission = _reserving(44, clock, reserve=0.1)
+    admission.limit.update(window_at(44, FAST), 44, 44, BEHIND)  # 39.6
+    for _ in range(39):
+        assert admission.admit(paced=False) is None
+    waiting = [asyncio.create_task(admission.enter(wait_s=60)) for _ in range(39)]
+    await asyncio.sleep(0)
+    assert await admission.enter(wait_s=60) == CAPACITY and admission.max_streams == 35, "the queue full: held back"
+    for _ in range(10):  # no refusal for ten gaps: the queue's requests still wait
+        clock.now += REFUSAL_GAP_S / TARGET
+        assert not admission.hold_reserve(clock()) and admission.max_streams == 35
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert admission.hold_reserve(clock()) and admission.max_streams == 39, "none waiting: given back"
 
 
 async def test_a_bursts_refusals_are_no_overload():
@@ -937,11 +961,11 @@ async def test_a_refusal_with_the_queue_full_holds_the_reserve_back_at_once():
     assert admission.limit.reason == RESERVE and admission.limit.refusing
     clock.now += 0.5 * REFUSAL_GAP_S / TARGET
     assert not admission.hold_reserve(clock()), "held on while refusals go on"
-    clock.now += 0.6 * REFUSAL_GAP_S / TARGET
-    assert admission.hold_reserve(clock()) and moved == [39, 35] and admission.max_streams == 39
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+    clock.now += 0.6 * REFUSAL_GAP_S / TARGET
+    assert admission.hold_reserve(clock()) and moved == [39, 35] and admission.max_streams == 39
 
 
 async def test_no_reserve_unless_configured_nor_in_the_slow_start():
