@@ -160,8 +160,8 @@ class AdmissionController:
         REFUSAL_GAP_S apart (or since one was refused with the queue full), and on while requests still wait; else give
         it back; whether that changed the streams admitted (told to on_reserve, with the streams admitted before).
         Given back after a gap in the refusals with requests waiting, it admitted them into the overload that was still
-        on (the refused clients' retries come in waves): run 62's 2x level ran 37 -> 41 streams 90 s in, and 17 of the
-        streams admitted then ran past the buffer by 0.9-7.8 s before listener cuts took it to 26."""
+        on (the refused clients' retries come in waves): run 62's 2x level went 37 -> 41 streams 90 s in, and 17
+        streams sent in the 20 s around it ran past the buffer by 0.9-7.8 s before listener cuts took it to 26."""
         pace, before = self.limit.target_pace, self.limit.streams
         overloaded = (now - self._refused_at <= REFUSAL_GAP_S / pace
                       and self._refused_at - self._refusing_since >= REFUSING_S / pace)

@@ -902,7 +902,7 @@ async def test_while_requests_go_on_being_refused_the_limit_holds_its_reserve_ba
 async def test_the_reserve_is_not_given_back_while_requests_wait():
     """Issue 43, run 62: given back after a gap in the refusals (the refused clients' retries come in waves) with
     requests still waiting, the reserve admitted them into the overload that was still on (37 -> 41 streams 90 s into
-    the 2x level), and 17 of the streams admitted then ran past the buffer."""
+    the 2x level), and 17 streams sent in the 20 s around it ran past the buffer."""
     clock = Clock()
     admission = _reserving(44, clock, reserve=0.1)
     admission.limit.update(window_at(44, FAST), 44, 44, BEHIND)  # 39.6
