@@ -125,8 +125,11 @@ class AdmissionController:
         room = max(self.limit.streams, self.limit.ceiling - self.active) if self.limit.slow_start else self.limit.streams
         if refused != CAPACITY or wait_s <= 0:
             return self._counted(refused)
-        if len(self._queue) >= room:
-            return self._counted(refused, queue_full=True)
+        if len(self._queue) >= room:  # the limit's worth waiting: an overload from this refusal on, the reserve held now
+            self._counted(refused)
+            self._refusing_since = -math.inf
+            self.hold_reserve(self._refused_at)
+            return refused
         slot = asyncio.get_running_loop().create_future()
         bisect.insort(self._queue, (-max(0, retries), next(self._arrivals), slot))
         self._count_key(key, +1)
@@ -141,18 +144,13 @@ class AdmissionController:
         self._leave(slot, key)
         return self._counted(CAPACITY)
 
-    def _counted(self, refused: str | None, queue_full: bool = False) -> str | None:
-        """`refused`, noted if it is a refusal for capacity (hold_reserve); one refused with the queue full (the limit's
-        worth waiting) is an overload from that refusal on, and the reserve is held back at once."""
+    def _counted(self, refused: str | None) -> str | None:
+        """`refused`, noted if it is a refusal for capacity (hold_reserve)."""
         if refused == CAPACITY:
             now = self._clock()
             if now - self._refused_at > REFUSAL_GAP_S / self.limit.target_pace:
                 self._refusing_since = now
-            if queue_full:
-                self._refusing_since = -math.inf
             self._refused_at = now
-            if queue_full:
-                self.hold_reserve(now)
         return refused
 
     def hold_reserve(self, now: float) -> bool:
